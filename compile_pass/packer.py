@@ -1,0 +1,275 @@
+"""The eager aux-hidden-state packer: the runtime fix the compiler pass reproduces.
+
+Eagle3/DFlash draft models read hidden states captured at K layers of the target model.
+Collected in a list and concatenated at the end, the K captures and the packed result are
+alive together at the ``torch.cat``: a transient ~2x of the packed bytes. The packer
+allocates the packed ``[*leading, K * feature]`` buffer on the first capture and copies
+each capture into its slice as it is appended, so nothing but the buffer outlives a
+capture.
+
+The API is call-compatible with the packer of SGLang's ``aux_hidden_states`` module
+(``slot``, ``append``, ``extend``, ``capture``, ``len``, ``finalize``), so model code
+written against it runs unchanged; the extras (``out=`` prefix buffers, ``reset()``,
+shape/dtype/device checks) are documented on each method.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Sequence, Union
+
+import torch
+
+__all__ = [
+    "AuxCaptureError",
+    "AuxHiddenStatePacker",
+    "AuxHiddenStateList",
+    "AuxHiddenStates",
+    "AuxHiddenStateAccumulator",
+    "pack_aux_hidden_states",
+]
+
+#: What a model hands its caller: one packed ``[*leading, K * hidden]`` tensor or the K captures.
+AuxHiddenStates = Union[torch.Tensor, List[torch.Tensor]]
+
+
+class AuxCaptureError(ValueError, RuntimeError):
+    """A capture does not fit the packer: wrong count, shape, dtype, device or buffer.
+
+    Subclasses both ValueError (bad input) and RuntimeError (what SGLang's packer raises
+    from ``finalize``), so callers written against either keep working.
+    """
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+
+
+class AuxHiddenStateList(list):
+    """A plain capture list whose ``capture`` snapshots borrowed storage.
+
+    ``copies_on_append`` is False: ``append`` keeps a reference, so a producer that later
+    mutates the tensor in place (a fused add-RMSNorm on the residual) must go through
+    ``capture`` (which clones unless ``owned=True``) or clone itself.
+    """
+
+    copies_on_append = False
+
+    def capture(self, hidden: torch.Tensor, *, owned: bool = False) -> None:
+        """Append ``hidden``; clone it first unless the caller transfers ownership."""
+        self.append(hidden if owned else hidden.clone())
+
+    def finalize(self) -> torch.Tensor:
+        """Pack the captures into one ``[*leading, K * feature]`` tensor."""
+        return pack_aux_hidden_states(self)
+
+
+class AuxHiddenStatePacker:
+    """Drop-in for the ``[]`` a model appends its K captures to.
+
+    Invariant: after ``n`` appends, slices ``0..n-1`` of the buffer hold the captures,
+    bit for bit, as they were at their append; ``finalize()`` returns the buffer only
+    when ``n == num_captures``.
+
+    ``out`` is an optional caller-owned buffer ``[max_tokens, *middle, K * feature]``
+    (a CUDA-graph static buffer shared across batch sizes). Captures of ``tokens`` rows
+    are written into ``out[:tokens]`` and ``finalize()`` returns that prefix view; the
+    packer never allocates when ``out`` is given.
+    """
+
+    #: ``append`` copies, so producers may mutate a tensor after capturing it.
+    copies_on_append = True
+
+    def __init__(self, num_captures: int, out: Optional[torch.Tensor] = None) -> None:
+        if isinstance(num_captures, bool) or not isinstance(num_captures, int):
+            raise TypeError(f"num_captures must be an int, got {type(num_captures).__name__}")
+        if num_captures < 1:
+            raise AuxCaptureError(f"num_captures must be >= 1, got {num_captures}")
+        if out is not None and not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+        self._num_captures = num_captures
+        self._out = out
+        self._buffer: Optional[torch.Tensor] = None
+        self._feature_size: Optional[int] = None
+        self._first: Optional[torch.Tensor] = None
+        self._idx = 0
+
+    @property
+    def num_captures(self) -> int:
+        return self._num_captures
+
+    def _packed_buffer_for(self, like: torch.Tensor) -> torch.Tensor:
+        """The packed buffer a first capture shaped like ``like`` is written into."""
+        feature = like.shape[-1]
+        shape = (*like.shape[:-1], feature * self._num_captures)
+        if self._out is None:
+            if self._buffer is not None:  # after reset(): reuse, same shape only
+                if tuple(self._buffer.shape) != tuple(shape) or self._buffer.dtype != like.dtype:
+                    raise AuxCaptureError(
+                        f"reset() reuses the packed buffer {_describe(self._buffer)}, but the "
+                        f"next forward's captures need {tuple(shape)} {like.dtype}; "
+                        f"create a new packer for a new shape"
+                    )
+                return self._buffer
+            return like.new_empty(shape)
+        out = self._out
+        if out.dtype != like.dtype:
+            raise AuxCaptureError(f"out buffer dtype is {out.dtype}, captures are {like.dtype}")
+        if out.device != like.device:
+            raise AuxCaptureError(f"out buffer is on {out.device}, captures are on {like.device}")
+        if like.dim() < 2:
+            if tuple(out.shape) != tuple(shape):
+                raise AuxCaptureError(
+                    f"out buffer is {tuple(out.shape)}, 1-D captures need exactly {tuple(shape)}"
+                )
+            return out
+        if (
+            out.dim() != like.dim()
+            or tuple(out.shape[1:]) != tuple(shape[1:])
+            or out.shape[0] < like.shape[0]
+        ):
+            raise AuxCaptureError(
+                f"out buffer is {tuple(out.shape)}, captures need at least "
+                f"({like.shape[0]}, {', '.join(str(s) for s in shape[1:])}): "
+                f"{like.shape[0]} tokens, {self._num_captures} x {feature} features"
+            )
+        return out[: like.shape[0]]
+
+    def _check_like_first(self, like: torch.Tensor) -> None:
+        first = self._first
+        assert first is not None
+        if like.shape[-1] != first.shape[-1]:
+            raise AuxCaptureError(
+                f"capture {self._idx} has feature size {like.shape[-1]}, "
+                f"the first capture had {first.shape[-1]}"
+            )
+        if tuple(like.shape[:-1]) != tuple(first.shape[:-1]):
+            raise AuxCaptureError(
+                f"capture {self._idx} has leading shape {tuple(like.shape[:-1])}, "
+                f"the first capture had {tuple(first.shape[:-1])}"
+            )
+        if like.dtype != first.dtype:
+            raise AuxCaptureError(
+                f"capture {self._idx} has dtype {like.dtype}, the first capture had {first.dtype}"
+            )
+        if like.device != first.device:
+            raise AuxCaptureError(
+                f"capture {self._idx} is on {like.device}, the first capture was on {first.device}"
+            )
+
+    def slot(self, like: torch.Tensor) -> torch.Tensor:
+        """Take the next capture's view of the packed buffer, shaped like ``like``.
+
+        The slot counts as appended: a producer writes the capture into it in place
+        (``torch.add(h, r, out=packer.slot(h))``), with no temporary.
+        """
+        if not isinstance(like, torch.Tensor):
+            raise TypeError(f"a capture must be a torch.Tensor, got {type(like).__name__}")
+        if like.dim() < 1:
+            raise AuxCaptureError("a capture must have at least one dimension (the feature dim)")
+        if self._idx >= self._num_captures:
+            raise AuxCaptureError(
+                f"capture {self._idx + 1} exceeds num_captures={self._num_captures}"
+            )
+        if self._first is None:
+            self._buffer = self._packed_buffer_for(like)
+            self._first = like
+            self._feature_size = like.shape[-1]
+        else:
+            self._check_like_first(like)
+        start = self._idx * self._feature_size
+        self._idx += 1
+        return self._buffer[..., start : start + self._feature_size]
+
+    def append(self, hidden: torch.Tensor) -> None:
+        """Copy ``hidden`` into its slice now; later mutation of ``hidden`` is not seen."""
+        self.slot(hidden).copy_(hidden)
+
+    def extend(self, hiddens: Iterable[torch.Tensor]) -> None:
+        for hidden in hiddens:
+            self.append(hidden)
+
+    def capture(self, hidden: torch.Tensor, *, owned: bool = False) -> None:
+        """Same as ``append``: the copy into the buffer is the snapshot, owned or not."""
+        self.append(hidden)
+
+    def __len__(self) -> int:
+        return self._idx
+
+    def finalize(self) -> torch.Tensor:
+        """Return the packed buffer; raise if the number of captures is not ``num_captures``."""
+        if self._idx != self._num_captures:
+            raise AuxCaptureError(
+                f"captured {self._idx} of {self._num_captures} aux hidden states"
+            )
+        assert self._buffer is not None
+        return self._buffer
+
+    def reset(self) -> None:
+        """Start the next forward, writing into the same buffer (same shape required).
+
+        The tensor returned by the previous ``finalize()`` aliases that buffer and is
+        overwritten by the next forward's captures.
+        """
+        self._idx = 0
+        self._first = None
+        self._feature_size = None
+
+
+#: Both collectors accept borrowed values through ``capture``.
+AuxHiddenStateAccumulator = Union[AuxHiddenStateList, AuxHiddenStatePacker]
+
+
+def _adjacent_view(captures: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The packed view if ``captures`` are adjacent last-dim slices of one buffer, in order."""
+    first = captures[0]
+    if first.dim() < 1 or first.stride(-1) != 1:
+        return None
+    storage_ptr = first.untyped_storage().data_ptr()
+    lead, strides = tuple(first.shape[:-1]), first.stride()[:-1]
+    offset = first.storage_offset() + first.shape[-1]
+    for t in captures[1:]:
+        if (
+            t.dtype != first.dtype
+            or t.device != first.device
+            or t.dim() != first.dim()
+            or tuple(t.shape[:-1]) != lead
+            or t.stride()[:-1] != strides
+            or t.stride(-1) != 1
+            or t.untyped_storage().data_ptr() != storage_ptr
+            or t.storage_offset() != offset
+        ):
+            return None
+        offset += t.shape[-1]
+    total = offset - first.storage_offset()
+    if total > first.untyped_storage().nbytes() // first.element_size():
+        return None
+    return first.as_strided((*lead, total), first.stride(), first.storage_offset())
+
+
+def pack_aux_hidden_states(aux_hidden_states: AuxHiddenStates) -> torch.Tensor:
+    """One ``[*leading, K * feature]`` tensor from a packed tensor or a list of captures.
+
+    A tensor is returned as is; a one-element list returns its element; a list whose
+    tensors are adjacent slices of one buffer along the last dim, in order, returns a
+    view of that buffer (no copy); any other list is concatenated along the last dim.
+    """
+    if isinstance(aux_hidden_states, torch.Tensor):
+        return aux_hidden_states
+    if not isinstance(aux_hidden_states, (list, tuple)):
+        raise TypeError(
+            "aux hidden states must be a tensor or a list of tensors, "
+            f"got {type(aux_hidden_states).__name__}"
+        )
+    if len(aux_hidden_states) == 0:
+        raise AuxCaptureError("no aux hidden states to pack: the capture list is empty")
+    for i, t in enumerate(aux_hidden_states):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"aux hidden state {i} is a {type(t).__name__}, not a tensor")
+    if len(aux_hidden_states) == 1:
+        return aux_hidden_states[0]
+    if not torch.compiler.is_compiling():
+        view = _adjacent_view(aux_hidden_states)
+        if view is not None:
+            return view
+    return torch.cat(list(aux_hidden_states), dim=-1)
+
