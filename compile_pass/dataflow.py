@@ -1,0 +1,171 @@
+"""Dataflow facts about FX nodes, read from metadata rather than op spelling.
+
+Works on both graph dialects the pass sees:
+- Dynamo graphs (torch IR): tensor values in ``node.meta["example_value"]``, targets are
+  torch functions, ``operator`` functions, methods or OpOverloads;
+- AOT / post-grad graphs (aten IR): values in ``node.meta["val"]``, targets OpOverloads.
+
+Aliasing comes from the fake values' storages (two nodes alias iff their fake tensors
+share a storage), mutation from op schemas (``alias_info.is_write``) and, for torch IR,
+from the in-place conventions (trailing underscore, ``out=``, ``inplace=True``,
+``operator.i*``, ``setitem``).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Dict, Iterable, List, Optional, Set
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = [
+    "tensor_value",
+    "hint",
+    "hinted_numel",
+    "nbytes",
+    "storage_key",
+    "mutated_inputs",
+    "is_view_of_input",
+    "source_line",
+    "is_cat",
+]
+
+_INPLACE_OPERATORS = {
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+    operator.ilshift, operator.irshift, operator.imatmul, operator.setitem,
+}
+
+_CAT_TARGETS = (torch.cat, torch.concat, torch.concatenate, torch.ops.aten.cat.default,
+                torch.ops.aten.cat, torch.ops.aten.concat.default, torch.ops.aten.concat)
+
+
+def tensor_value(node: Any) -> Optional[torch.Tensor]:
+    """The (fake) tensor a node produces, or None if it is not a single tensor."""
+    if not isinstance(node, fx.Node):
+        return None
+    value = node.meta.get("val", node.meta.get("example_value"))
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def hint(size: Any) -> int:
+    """A concrete int for a size: ints as is, SymInts at their hint (the example size)."""
+    if isinstance(size, int):
+        return size
+    if isinstance(size, torch.SymInt):
+        return int(size.node.hint if size.node.hint is not None else size.node.shape_env.size_hint(size.node.expr))
+    return int(size)
+
+
+def hinted_numel(t: torch.Tensor) -> int:
+    n = 1
+    for s in t.shape:
+        n *= hint(s)
+    return n
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements at the example sizes."""
+    return hinted_numel(t) * t.element_size()
+
+
+def storage_key(t: torch.Tensor) -> Optional[StorageWeakRef]:
+    """Identity of ``t``'s storage: equal keys mean the two values alias."""
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def is_cat(node: fx.Node) -> bool:
+    """A concatenation: ``torch.cat`` and its aliases in torch IR, ``aten.cat`` in aten IR."""
+    if node.op == "call_function" and node.target in _CAT_TARGETS:
+        return True
+    return node.op == "call_method" and node.target in ("cat",)
+
+
+def _schema_of(node: fx.Node) -> Optional[torch.FunctionSchema]:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, "default", None)
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema
+    return None
+
+
+def _node_args(obj: Any) -> Iterable[fx.Node]:
+    if isinstance(obj, fx.Node):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _node_args(item)
+
+
+def mutated_inputs(node: fx.Node) -> List[fx.Node]:
+    """The input nodes whose values ``node`` writes in place (empty for functional nodes)."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    schema = _schema_of(node)
+    if schema is not None:
+        mutated: List[fx.Node] = []
+        by_name = dict(node.kwargs)
+        for i, arg in enumerate(schema.arguments):
+            info = arg.alias_info
+            if info is None or not info.is_write:
+                continue
+            value = node.args[i] if i < len(node.args) else by_name.get(arg.name)
+            mutated.extend(_node_args(value))
+        return mutated
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    first = [a for a in _node_args(node.args[:1])]
+    out = list(_node_args(node.kwargs.get("out")))
+    if node.target in _INPLACE_OPERATORS:
+        return first + out
+    if isinstance(name, str) and name.endswith("_") and not name.endswith("__"):
+        return first + out
+    if node.kwargs.get("inplace") is True:
+        return first + out
+    return out
+
+
+def is_view_of_input(node: fx.Node, source: fx.Node) -> bool:
+    """True if ``node``'s value shares storage with ``source``'s value."""
+    a, b = tensor_value(node), tensor_value(source)
+    if a is None or b is None:
+        return False
+    ka, kb = storage_key(a), storage_key(b)
+    return ka is not None and ka == kb
+
+
+def source_line(node: fx.Node) -> str:
+    """The user source line that produced ``node`` (last frame of its stack trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+    if not frames:
+        return ""
+    last = frames[-1]
+    location = lines[last]
+    code = lines[last + 1] if last + 1 < len(lines) and not lines[last + 1].startswith("File ") else ""
+    # 'File "/x/llama.py", line 12, in forward' -> 'llama.py:12 (forward)'
+    try:
+        path = location.split('"')[1].rsplit("/", 1)[-1]
+        lineno = location.split("line ")[1].split(",")[0]
+        func = location.rsplit("in ", 1)[1]
+        where = f"{path}:{lineno} ({func})"
+    except IndexError:
+        where = location
+    return f"{where}: {code}" if code else where
+
+
+def alias_groups(nodes: Iterable[fx.Node]) -> Dict[StorageWeakRef, Set[fx.Node]]:
+    """Nodes grouped by the storage their values live in."""
+    groups: Dict[StorageWeakRef, Set[fx.Node]] = {}
+    for node in nodes:
+        value = tensor_value(node)
+        key = storage_key(value) if value is not None else None
+        if key is not None:
+            groups.setdefault(key, set()).add(node)
+    return groups

@@ -1,0 +1,184 @@
+"""Find capture groups: concats of captures with one leading shape, dtype and device.
+
+A capture group is a concat (``torch.cat`` / ``aten.cat``) of >= 2 tensor values whose
+sizes agree on every dim but the concat dim, with one dtype and one device. Each input is
+classified by what produces it (``Producer``), from the node's op schema and tags, not
+from a list of op spellings. Groups that cannot be rewritten are still returned, rejected
+with a reason, so the diff tool can show them.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import List, Optional
+
+import torch
+import torch.fx as fx
+
+from compile_pass.dataflow import hint, is_cat, nbytes, source_line, storage_key, tensor_value
+from compile_pass.groups import Capture, CaptureGroup, Producer
+
+__all__ = ["find_capture_groups", "classify_producer", "aten_packet", "exact_out_variant"]
+
+_OPERATOR_NAMES = {
+    operator.add: "add", operator.sub: "sub", operator.mul: "mul",
+    operator.truediv: "div", operator.neg: "neg", operator.matmul: "matmul",
+}
+_EXACT_ARITHMETIC = {"add", "sub", "mul", "div"}  # IEEE correctly rounded: bitwise in any layout
+_MATMUL = {"mm", "addmm", "linear", "matmul"}
+_BATCHED_MATMUL = {"bmm", "baddbmm"}
+_CLONE = {"clone"}
+
+
+def aten_packet(node: fx.Node) -> Optional[torch._ops.OpOverloadPacket]:
+    """The aten (or custom) op packet a node calls, whatever IR spells it."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target
+    if node.op == "call_method":
+        name = target
+    else:
+        name = _OPERATOR_NAMES.get(target) or getattr(target, "__name__", None)
+    if not isinstance(name, str):
+        return None
+    try:
+        return getattr(torch.ops.aten, name)
+    except AttributeError:
+        return None
+
+
+def _tensor_inputs(node: fx.Node) -> List[fx.Node]:
+    return [a for a in node.all_input_nodes if tensor_value(a) is not None]
+
+
+def classify_producer(node: fx.Node) -> Producer:
+    """What produces ``node``'s value (see ``Producer``)."""
+    if node.op in ("placeholder", "get_attr"):
+        return Producer.GRAPH_INPUT
+    if node.op == "call_function" and node.target is operator.getitem:
+        source = node.args[0]
+        if isinstance(source, fx.Node):
+            kind = classify_producer(source)
+            return kind if kind is not Producer.OTHER else Producer.CUSTOM_OP
+    value = tensor_value(node)
+    key = storage_key(value) if value is not None else None
+    if key is not None and any(storage_key(tensor_value(a)) == key for a in _tensor_inputs(node)):
+        return Producer.VIEW
+    if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+        return Producer.CUSTOM_OP
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if target.namespace not in ("aten", "prims"):
+            return Producer.CUSTOM_OP
+    packet = aten_packet(node)
+    if packet is None:
+        return Producer.OTHER
+    name = packet.__name__.split(".")[-1]
+    if name in _CLONE:
+        return Producer.CLONE
+    if name in _MATMUL:
+        return Producer.MATMUL
+    if name in _BATCHED_MATMUL:
+        return Producer.BATCHED_MATMUL
+    if isinstance(target, torch._ops.OpOverload):
+        overload = target
+    else:  # torch IR: the tensor overload the call dispatches to
+        overload = getattr(packet, "Tensor", None) or getattr(packet, "default", None)
+    if overload is not None and torch.Tag.pointwise in overload.tags:
+        inputs = _tensor_inputs(node)
+        same_dtype = value is not None and all(tensor_value(a).dtype == value.dtype for a in inputs)
+        if name in _EXACT_ARITHMETIC and same_dtype and len(inputs) == 2:
+            return Producer.EXACT_ARITHMETIC
+        return Producer.POINTWISE
+    return Producer.OTHER
+
+
+def _sym_str(size: object) -> str:
+    return str(size.node.expr) if isinstance(size, torch.SymInt) else str(size)
+
+
+def _is_static(size: object) -> bool:
+    return isinstance(size, int) or (isinstance(size, torch.SymInt) and size.node.expr.is_number)
+
+
+def _group_for(cat: fx.Node) -> Optional[CaptureGroup]:
+    inputs = cat.args[0] if cat.args else cat.kwargs.get("tensors")
+    dim_arg = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    out = tensor_value(cat)
+    if not isinstance(inputs, (list, tuple)) or len(inputs) < 2 or out is None:
+        return None
+    dim = dim_arg + out.dim() if isinstance(dim_arg, int) and dim_arg < 0 else dim_arg
+    group = CaptureGroup(
+        cat=cat, captures=[], dim=dim if isinstance(dim, int) else -1,
+        shape=tuple(_sym_str(s) for s in out.shape),
+        example_shape=tuple(hint(s) for s in out.shape),
+        dtype=out.dtype, device=out.device, packed_bytes=nbytes(out),
+    )
+    if not isinstance(dim, int):
+        return group.reject(f"concat dim {dim_arg!r} is not a constant int")
+    offset = 0
+    for position, node in enumerate(inputs):
+        value = tensor_value(node)
+        if value is None:
+            return group.reject(f"concat input {position} ({node!r}) is not a tensor node of this graph")
+        if value.dim() != out.dim():
+            return group.reject(
+                f"concat input {position} has {value.dim()} dims, the result has {out.dim()}"
+            )
+        width = value.shape[dim]
+        group.captures.append(Capture(
+            node=node, position=position, offset=offset, width=hint(width),
+            producer=classify_producer(node), source=source_line(node),
+        ))
+        if not _is_static(width):
+            return group.reject(
+                f"capture {position} has a symbolic width {_sym_str(width)} along the concat dim"
+            )
+        offset += hint(width)
+        if value.dtype != out.dtype:
+            return group.reject(
+                f"capture {position} is {value.dtype}, the concat result is {out.dtype} "
+                f"(torch.cat type-promotes mixed dtypes; the packer keeps one dtype)"
+            )
+        if value.device != out.device:
+            return group.reject(f"capture {position} is on {value.device}, the result on {out.device}")
+        for d in range(out.dim()):
+            if d != dim and _sym_str(value.shape[d]) != _sym_str(out.shape[d]):
+                return group.reject(
+                    f"capture {position} has size {_sym_str(value.shape[d])} in dim {d}, "
+                    f"the others {_sym_str(out.shape[d])}"
+                )
+    return group
+
+
+def find_capture_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureGroup]:
+    """All concat capture groups of a Dynamo (torch IR) or AOT/post-grad (aten IR) graph.
+
+    Groups are in graph order; each is FOUND or already REJECTED with a reason. Finding
+    does not change the graph.
+    """
+    graph = graph_module.graph if isinstance(graph_module, fx.GraphModule) else graph_module
+    groups = []
+    for node in graph.nodes:
+        if is_cat(node):
+            group = _group_for(node)
+            if group is not None:
+                groups.append(group)
+    return groups
+
+
+def exact_out_variant(node: fx.Node) -> Optional[torch._ops.OpOverload]:
+    """The ``out=`` overload that recomputes an EXACT_ARITHMETIC producer, if its call fits.
+
+    Fits: two tensor positional operands, no keyword but ``alpha``.
+    """
+    packet = aten_packet(node)
+    if packet is None or not hasattr(packet, "out"):
+        return None
+    if len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    if set(node.kwargs) - {"alpha"}:
+        return None
+    return packet.out

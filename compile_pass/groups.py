@@ -1,0 +1,149 @@
+"""The one data type that flows through the pass: a capture group.
+
+found (``find.find_capture_groups``) -> planned (``plan.plan_group``: a strategy and a
+write point per capture, a decision with its reason) -> rewritten (``rewrite``) ->
+reported (``report``: counters, log lines, the diff tool). Every field a later stage
+reads is set by an earlier one; nothing is re-derived.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+__all__ = ["Producer", "Strategy", "Decision", "Capture", "CaptureGroup", "summarize"]
+
+
+class Producer(str, Enum):
+    """What computes a captured value, as far as the rewrite and Inductor care."""
+
+    EXACT_ARITHMETIC = "exact arithmetic"  # add/sub/mul/div: correctly rounded, any layout
+    POINTWISE = "pointwise"
+    CLONE = "clone"
+    MATMUL = "matmul"  # mm / addmm / linear: Inductor writes it into a cat slice
+    BATCHED_MATMUL = "bmm"
+    CUSTOM_OP = "custom op"
+    GRAPH_INPUT = "graph input"
+    VIEW = "view"
+    OTHER = "other"
+
+
+class Strategy(str, Enum):
+    """How one capture reaches its slice of the packed buffer."""
+
+    COMPUTE_INTO = "compute into slice"  # the producer's out= variant writes the slice
+    ELIDE_CLONE = "elide clone"  # clone(x) feeding only the capture: copy x into the slice
+    COPY = "copy"  # write_slice_ after the producer (or after its last mutation)
+
+
+class Decision(str, Enum):
+    FOUND = "found"
+    REWRITE = "rewrite"
+    REJECT = "reject"
+
+
+@dataclass
+class Capture:
+    """One input of the concat: a captured value and how it will be written."""
+
+    node: fx.Node
+    position: int  # index among the concat's inputs
+    offset: int  # start of its slice along the concat dim
+    width: int  # its size along the concat dim
+    producer: Producer
+    source: str  # user source line of the producer, from node metadata
+    write_after: Optional[fx.Node] = None  # planned: the write goes right after this node
+    strategy: Optional[Strategy] = None
+    note: str = ""  # why this strategy (e.g. "mutated in place at add_ (line 40)")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "node": self.node.name,
+            "position": self.position,
+            "offset": self.offset,
+            "width": self.width,
+            "producer": self.producer.value,
+            "source": self.source,
+            "write_after": self.write_after.name if self.write_after is not None else None,
+            "strategy": self.strategy.value if self.strategy is not None else None,
+            "note": self.note,
+        }
+
+
+@dataclass
+class CaptureGroup:
+    """A concat of captures produced at different points of one graph, and its fate."""
+
+    cat: fx.Node
+    captures: List[Capture]
+    dim: int  # non-negative concat dim
+    shape: Tuple[str, ...]  # packed shape, symbolic sizes as their expressions
+    example_shape: Tuple[int, ...]  # packed shape at the example sizes
+    dtype: torch.dtype
+    device: torch.device
+    packed_bytes: int  # bytes of the packed result at the example sizes
+    decision: Decision = Decision.FOUND
+    reason: str = ""
+    estimated_peak_before: Optional[int] = None
+    estimated_peak_after: Optional[int] = None
+    placement: str = ""  # which graph the rewrite targets (dynamo / aot / post_grad)
+
+    @property
+    def widths(self) -> Tuple[int, ...]:
+        return tuple(c.width for c in self.captures)
+
+    @property
+    def k(self) -> int:
+        return len(self.captures)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "cat": self.cat.name,
+            "k": self.k,
+            "dim": self.dim,
+            "widths": list(self.widths),
+            "shape": list(self.shape),
+            "example_shape": list(self.example_shape),
+            "dtype": str(self.dtype),
+            "device": str(self.device),
+            "packed_bytes": self.packed_bytes,
+            "decision": self.decision.value,
+            "reason": self.reason,
+            "estimated_peak_before": self.estimated_peak_before,
+            "estimated_peak_after": self.estimated_peak_after,
+            "placement": self.placement,
+            "captures": [c.to_dict() for c in self.captures],
+        }
+
+    def reject(self, reason: str) -> "CaptureGroup":
+        self.decision, self.reason = Decision.REJECT, reason
+        return self
+
+    def replace_nodes(self, node_map: Dict[fx.Node, fx.Node]) -> "CaptureGroup":
+        """The same group over a copy of its graph (``node_map``: old node -> copied node)."""
+        captures = [
+            dataclasses.replace(
+                c,
+                node=node_map[c.node],
+                write_after=node_map[c.write_after] if c.write_after is not None else None,
+            )
+            for c in self.captures
+        ]
+        return dataclasses.replace(self, cat=node_map[self.cat], captures=captures)
+
+
+def summarize(groups: List[CaptureGroup]) -> Dict[str, int]:
+    """Counts of groups by decision, for logs and counters."""
+    counts = {"groups_found": len(groups), "groups_rewritten": 0, "groups_rejected": 0}
+    for g in groups:
+        if g.decision is Decision.REWRITE:
+            counts["groups_rewritten"] += 1
+        elif g.decision is Decision.REJECT:
+            counts["groups_rejected"] += 1
+    return counts
+

@@ -1,0 +1,107 @@
+"""Plan a capture group: a strategy and a write point for each capture.
+
+Semantics kept: the concat reads each capture when it runs. A capture is written into the
+packed buffer at a point where its value already equals what the concat would read:
+right after its producer, unless the capture or an alias of it is mutated in place
+between its producer and the concat; then right after the last such mutation.
+
+Strategies (``Strategy``):
+- COMPUTE_INTO: correctly rounded arithmetic (add/sub/mul/div of two tensors of the
+  capture's dtype) is recomputed by its ``out=`` variant straight into the slice: no
+  temporary. Only for graphs that run as is (an ``out=`` write would be functionalized).
+- ELIDE_CLONE: ``clone(x)`` whose only reader is the concat: ``x`` is copied into the
+  slice at the clone's position; the clone disappears.
+- COPY: ``write_slice_`` right after the write point.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Set
+
+import torch.fx as fx
+
+from compile_pass.dataflow import alias_groups, mutated_inputs, source_line, storage_key, tensor_value
+from compile_pass.find import exact_out_variant
+from compile_pass.groups import Capture, CaptureGroup, Decision, Producer, Strategy
+
+__all__ = ["GraphFacts", "plan_group"]
+
+
+class GraphFacts:
+    """Per-graph facts the planner reads: node order, aliases, in-place writers."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph = graph
+        self.nodes = list(graph.nodes)
+        self.position = {n: i for i, n in enumerate(self.nodes)}
+        self.aliases = alias_groups(self.nodes)
+        self.mutators: Dict[fx.Node, List[fx.Node]] = {}
+        for node in self.nodes:
+            for target in mutated_inputs(node):
+                self.mutators.setdefault(target, []).append(node)
+
+    def alias_set(self, node: fx.Node) -> Set[fx.Node]:
+        value = tensor_value(node)
+        key = storage_key(value) if value is not None else None
+        return set(self.aliases.get(key, {node})) | {node} if key is not None else {node}
+
+    def last_mutation(self, node: fx.Node, after: int, before: int) -> Optional[fx.Node]:
+        """The last node strictly between positions ``after`` and ``before`` that writes
+        ``node``'s value or an alias of it in place."""
+        last = None
+        for alias in self.alias_set(node):
+            for writer in self.mutators.get(alias, ()):
+                p = self.position[writer]
+                if after < p < before and (last is None or p > self.position[last]):
+                    last = writer
+        return last
+
+
+def _only_reader_is(node: fx.Node, reader: fx.Node) -> bool:
+    return set(node.users) == {reader}
+
+
+def _plan_capture(capture: Capture, group: CaptureGroup, facts: GraphFacts, runs_as_is: bool,
+                  seen: Set[fx.Node], cat_mutated: bool) -> None:
+    node, cat = capture.node, group.cat
+    produced_at = facts.position[node] if node.op not in ("placeholder", "get_attr") else -1
+    mutation = facts.last_mutation(node, produced_at, facts.position[cat])
+    duplicate = node in seen
+    seen.add(node)
+    if mutation is not None:
+        capture.strategy, capture.write_after = Strategy.COPY, mutation
+        capture.note = f"mutated in place after it is produced; written after {mutation.name}"
+        where = source_line(mutation)
+        if where:
+            capture.note += f" ({where})"
+        return
+    if node.op in ("placeholder", "get_attr"):
+        capture.strategy, capture.write_after = Strategy.COPY, None
+        capture.note = "graph input: written together with the first capture"
+        return
+    if capture.producer is Producer.CLONE and not duplicate and _only_reader_is(node, cat):
+        capture.strategy, capture.write_after = Strategy.ELIDE_CLONE, node
+        capture.note = "clone read only by the concat: the write into the buffer is the copy"
+        return
+    if (runs_as_is and capture.producer is Producer.EXACT_ARITHMETIC and not duplicate
+            and not cat_mutated and exact_out_variant(node) is not None):
+        capture.strategy, capture.write_after = Strategy.COMPUTE_INTO, node
+        capture.note = "computed straight into its slice by the out= variant"
+        return
+    capture.strategy, capture.write_after = Strategy.COPY, node
+    capture.note = "copied into its slice right after it is produced"
+
+
+def plan_group(group: CaptureGroup, facts: GraphFacts, runs_as_is: bool) -> CaptureGroup:
+    """Give each capture of a FOUND group its strategy and write point (in place)."""
+    if group.decision is not Decision.FOUND:
+        return group
+    cat_position = facts.position[group.cat]
+    cat_mutated = facts.last_mutation(group.cat, cat_position, len(facts.nodes)) is not None
+    seen: Set[fx.Node] = set()
+    for capture in group.captures:
+        _plan_capture(capture, group, facts, runs_as_is, seen, cat_mutated)
+    writes = [c for c in group.captures if c.write_after is not None]
+    if not writes:
+        return group.reject("every capture is a graph input: the concat is already the only copy")
+    return group

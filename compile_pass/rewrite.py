@@ -1,0 +1,159 @@
+"""Rewrite a planned capture group into one packed buffer written in place.
+
+Invariant of the rewritten graph: the buffer node ``aux_packed`` is allocated right before
+the group's first write, every capture is written into its slice at its planned write
+point, and every reader of the concat reads the buffer instead. The buffer's values equal
+the concat's bit for bit (writes are copies or correctly rounded recomputations).
+
+New nodes carry fake values (``val`` or ``example_value``, whichever the graph uses), so
+liveness estimates and later passes see the rewritten graph as they saw the original.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.fx as fx
+
+import compile_pass.ops  # noqa: F401  (registers compile_pass::write_slice_)
+from compile_pass.dataflow import tensor_value
+from compile_pass.find import exact_out_variant
+from compile_pass.groups import Capture, CaptureGroup, Strategy
+
+__all__ = ["RewriteError", "rewrite_group", "BUFFER_NAME"]
+
+BUFFER_NAME = "aux_packed"
+_WRITE = torch.ops.compile_pass.write_slice_.default
+_EMPTY = torch.ops.aten.empty.memory_format
+_SLICE = torch.ops.aten.slice.Tensor
+_SYM_SIZE = torch.ops.aten.sym_size.int
+
+
+class RewriteError(RuntimeError):
+    """The planned rewrite cannot be expressed on this graph (the graph is left to the caller)."""
+
+
+class _Emitter:
+    """Creates nodes with fake values in the graph's own metadata convention."""
+
+    def __init__(self, graph: fx.Graph, like: fx.Node) -> None:
+        self.graph = graph
+        self.meta_key = "val" if "val" in like.meta else "example_value"
+        value = tensor_value(like)
+        self.fake_mode = torch._guards.detect_fake_mode([value]) if value is not None else None
+
+    def node(self, target: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], value: Any,
+             name: Optional[str] = None, like: Optional[fx.Node] = None) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
+        if name is not None:
+            node.name = self.graph._graph_namespace.create_name(name, node)
+        node.meta[self.meta_key] = value
+        if like is not None:
+            for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+                if key in like.meta:
+                    node.meta[key] = like.meta[key]
+        return node
+
+    def fake(self, fn, *args: Any) -> Any:
+        if self.fake_mode is None:
+            return None
+        with self.fake_mode:
+            return fn(*args)
+
+
+def _size_args(group: CaptureGroup, order: List[fx.Node], stop: int, emit: _Emitter) -> List[Any]:
+    """The packed shape as graph values available before position ``stop``."""
+    shape = tensor_value(group.cat).shape
+    sizes: List[Any] = []
+    for d, size in enumerate(shape):
+        if not isinstance(size, torch.SymInt) or size.node.expr.is_number:
+            sizes.append(int(size))
+            continue
+        expr = size.node.expr
+        source: Any = None
+        for node in order[:stop]:
+            value = node.meta.get(emit.meta_key)
+            if isinstance(value, torch.SymInt) and value.node.expr == expr:
+                source = node
+                break
+            if isinstance(value, torch.Tensor) and node.op != "output":
+                dims = [i for i, s in enumerate(value.shape)
+                        if isinstance(s, torch.SymInt) and s.node.expr == expr]
+                if dims:
+                    source = emit.node(_SYM_SIZE, (node, dims[0]), {}, size)
+                    break
+        if source is None:
+            raise RewriteError(f"no value for size {expr} of dim {d} exists before the first capture")
+        sizes.append(source)
+    return sizes
+
+
+def _insertion(capture: Capture) -> Tuple[fx.Node, bool]:
+    """(anchor, before): the write goes right before ``anchor`` or right after it."""
+    if capture.strategy in (Strategy.COMPUTE_INTO, Strategy.ELIDE_CLONE):
+        return capture.node, True
+    assert capture.write_after is not None
+    return capture.write_after, False
+
+
+def rewrite_group(graph: fx.Graph, group: CaptureGroup) -> fx.Node:
+    """Apply a planned group to ``graph`` in place; return the packed buffer node."""
+    order = list(graph.nodes)
+    position = {n: i for i, n in enumerate(order)}
+    emit = _Emitter(graph, group.cat)
+    cat_value = tensor_value(group.cat)
+    dim = group.dim
+
+    placed = sorted(
+        (c for c in group.captures if c.write_after is not None),
+        key=lambda c: (position[_insertion(c)[0]], not _insertion(c)[1]),
+    )
+    inputs = [c for c in group.captures if c.write_after is None]
+    after_cursor: Dict[fx.Node, fx.Node] = {}  # anchor -> last node inserted after it
+    buffer: Optional[fx.Node] = None
+    buffer_value: Any = None
+    elided: List[fx.Node] = []
+    for capture in placed:
+        anchor, before = _insertion(capture)
+        point = anchor if before else after_cursor.get(anchor, anchor).next
+        with graph.inserting_before(point):
+            if buffer is None:
+                stop = position[anchor] + (0 if before else 1)
+                sizes = _size_args(group, order, stop, emit)
+                buffer_value = emit.fake(lambda: torch.empty(
+                    cat_value.shape, dtype=cat_value.dtype, device=cat_value.device))
+                buffer = emit.node(_EMPTY, (sizes,), {"dtype": group.dtype, "device": group.device,
+                                                      "pin_memory": False},
+                                   buffer_value, name=BUFFER_NAME, like=group.cat)
+                for graph_input in inputs:
+                    emit.node(_WRITE, (buffer, graph_input.node, dim, graph_input.offset), {}, None,
+                              like=group.cat)
+            if capture.strategy is Strategy.COPY:
+                last = emit.node(_WRITE, (buffer, capture.node, dim, capture.offset), {}, None,
+                                 like=anchor)
+            elif capture.strategy is Strategy.ELIDE_CLONE:
+                source = capture.node.args[0]
+                last = emit.node(_WRITE, (buffer, source, dim, capture.offset), {}, None, like=anchor)
+                elided.append(capture.node)
+            else:
+                out_op = exact_out_variant(capture.node)
+                if out_op is None:
+                    raise RewriteError(f"{capture.node.name} has no out= variant")
+                end = capture.offset + capture.width
+                view_value = emit.fake(lambda: buffer_value.narrow(dim, capture.offset, capture.width))
+                view = emit.node(_SLICE, (buffer, dim, capture.offset, end), {}, view_value,
+                                 name=f"{BUFFER_NAME}_slot", like=anchor)
+                last = emit.node(out_op, tuple(capture.node.args),
+                                 {**capture.node.kwargs, "out": view}, view_value, like=anchor)
+                capture.node.replace_all_uses_with(last)
+                elided.append(capture.node)
+        if not before:
+            after_cursor[anchor] = last
+
+    group.cat.replace_all_uses_with(buffer)
+    graph.erase_node(group.cat)
+    for node in elided:
+        if not node.users:
+            graph.erase_node(node)
+    return buffer
