@@ -105,7 +105,9 @@ def copy_graph(graph: fx.Graph) -> Tuple[fx.Graph, Dict[fx.Node, fx.Node]]:
 
 
 def _mib(n: Optional[int]) -> str:
-    return "?" if n is None else f"{n / 2**20:.1f} MiB"
+    if n is None:
+        return "?"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def _decide(gm: fx.GraphModule, group: CaptureGroup, target: Target) -> Optional[fx.Graph]:

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from compile_pass.dataflow import hint, is_cat, nbytes, source_line, storage_key, tensor_value
-from compile_pass.groups import Capture, CaptureGroup, Producer
+from compile_pass.groups import Capture, CaptureGroup, Decision, Producer
 
 __all__ = ["find_capture_groups", "classify_producer", "aten_packet", "exact_out_variant"]
 
@@ -57,13 +57,16 @@ def classify_producer(node: fx.Node) -> Producer:
     """What produces ``node``'s value (see ``Producer``)."""
     if node.op in ("placeholder", "get_attr"):
         return Producer.GRAPH_INPUT
-    if node.op == "call_function" and node.target is operator.getitem:
-        source = node.args[0]
-        if isinstance(source, fx.Node):
-            kind = classify_producer(source)
-            return kind if kind is not Producer.OTHER else Producer.CUSTOM_OP
     value = tensor_value(node)
     key = storage_key(value) if value is not None else None
+    if node.op == "call_function" and node.target is operator.getitem:
+        source = node.args[0]  # one output of a multi-output op
+        if isinstance(source, fx.Node) and classify_producer(source) is Producer.CUSTOM_OP:
+            return Producer.CUSTOM_OP
+        inputs = _tensor_inputs(source) if isinstance(source, fx.Node) else []
+        if key is not None and any(storage_key(tensor_value(a)) == key for a in inputs):
+            return Producer.VIEW
+        return Producer.OTHER
     if key is not None and any(storage_key(tensor_value(a)) == key for a in _tensor_inputs(node)):
         return Producer.VIEW
     if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
@@ -153,6 +156,25 @@ def _group_for(cat: fx.Node) -> Optional[CaptureGroup]:
     return group
 
 
+_LAYER_BOUNDARIES = {Producer.MATMUL, Producer.BATCHED_MATMUL, Producer.CUSTOM_OP}
+
+
+def _spans_layers(group: CaptureGroup, order: List[fx.Node]) -> bool:
+    """True if a matmul or an opaque op runs between the first and the last capture.
+
+    This is the dataflow sense of "captured across layers": a concat whose inputs are all
+    computed inside one block (RoPE's rotate-half, MLA's nope/rope join) is not a capture
+    group and stays with the compiler.
+    """
+    position = {n: i for i, n in enumerate(order)}
+    produced = [position[c.node] for c in group.captures if c.node.op not in ("placeholder", "get_attr")]
+    if len(produced) < 2:
+        return True
+    first, last = min(produced), max(produced)
+    return any(classify_producer(n) in _LAYER_BOUNDARIES
+               for n in order[first + 1:last] if n.op == "call_function")
+
+
 def find_capture_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureGroup]:
     """All concat capture groups of a Dynamo (torch IR) or AOT/post-grad (aten IR) graph.
 
@@ -161,11 +183,16 @@ def find_capture_groups(graph_module: fx.GraphModule | fx.Graph) -> List[Capture
     """
     graph = graph_module.graph if isinstance(graph_module, fx.GraphModule) else graph_module
     groups = []
-    for node in graph.nodes:
+    order = list(graph.nodes)
+    for node in order:
         if is_cat(node):
             group = _group_for(node)
-            if group is not None:
-                groups.append(group)
+            if group is None:
+                continue
+            if group.decision is Decision.FOUND and not _spans_layers(group, order):
+                group.reject("all captures are produced inside one block (no matmul or opaque "
+                             "op between them): not a cross-layer capture, left to the compiler")
+            groups.append(group)
     return groups
 
 

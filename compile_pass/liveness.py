@@ -85,8 +85,10 @@ def estimate_memory(
         for t in tensors:
             key = storage_key(t) or ("object", id(t))
             keys.append(key)
-            if key in born or key in preexisting:
-                born[key] = min(born.get(key, position[node]), position[node])
+            if key in preexisting:
+                continue
+            if key in born:
+                born[key] = min(born[key], position[node])
                 continue
             if node.op in ("placeholder", "get_attr"):
                 preexisting.add(key)

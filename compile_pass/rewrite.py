@@ -47,7 +47,7 @@ class _Emitter:
              name: Optional[str] = None, like: Optional[fx.Node] = None) -> fx.Node:
         node = self.graph.call_function(target, args, kwargs)
         if name is not None:
-            node.name = self.graph._graph_namespace.create_name(name, node)
+            node._rename(name)
         node.meta[self.meta_key] = value
         if like is not None:
             for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):

@@ -1,0 +1,172 @@
+"""The ``aux_capture`` torch.compile backend: the capture pass in front of an inner compiler.
+
+Where the pass runs depends on the inner, because a rewrite into in-place slice writes
+must land where nothing functionalizes the graph again (docs/design.md):
+
+| inner        | graph rewritten                                 | then                          |
+|--------------|-------------------------------------------------|-------------------------------|
+| ``eager``    | the Dynamo graph                                | runs as is                    |
+| ``aot_eager``| the functional aten graph after AOTAutograd     | runs as is                    |
+| ``cudagraphs``| the functional aten graph after AOTAutograd    | captured into a CUDA graph    |
+| ``inductor`` | the Dynamo graph (writes are a mutating custom  | ``compile_fx``: functionalized,|
+|              | op Inductor re-inplaces), Inductor cost model   | reinplaced, lowered           |
+| a callable   | the Dynamo graph, custom-op writes              | the callable                  |
+
+``options={"rewrite": False}`` compiles exactly the same way with the pass off.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+
+from compile_pass.capture_pass import PassResult, run_capture_pass
+
+__all__ = ["AuxCaptureBackend", "aux_capture", "aux_capture_backend", "INNERS", "MODES"]
+
+INNERS = ("inductor", "aot_eager", "eager", "cudagraphs")
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_BACKEND_KEYS = ("inner", "rewrite")
+
+CompiledFn = Callable[..., Any]
+Inner = Union[str, Callable[[fx.GraphModule, List[torch.Tensor]], CompiledFn]]
+
+
+def _inductor_config_keys() -> frozenset:
+    import torch._inductor.config as inductor_config
+
+    return frozenset(inductor_config.get_config_copy())
+
+
+@dataclass
+class AuxCaptureBackend:
+    """A torch.compile backend; keeps the pass result of every graph it compiled.
+
+    ``results`` lists one ``PassResult`` per rewritten graph, in compile order: the
+    graph code before and after and every capture group's decision.
+    """
+
+    inner: Inner = "inductor"
+    rewrite: bool = True
+    mode: Optional[str] = None
+    inductor_options: Dict[str, Any] = field(default_factory=dict)
+    results: List[PassResult] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inner, str) and self.inner not in INNERS:
+            raise ValueError(
+                f"unknown inner compiler {self.inner!r} for aux_capture: "
+                f"expected one of {', '.join(INNERS)} or a backend callable"
+            )
+        if not isinstance(self.inner, str) and not callable(self.inner):
+            raise TypeError(f"inner must be a name or a callable, got {type(self.inner).__name__}")
+        if not isinstance(self.rewrite, bool):
+            raise TypeError(f"option 'rewrite' must be a bool, got {self.rewrite!r}")
+        if self.mode not in MODES:
+            raise ValueError(
+                f"unknown mode {self.mode!r} for aux_capture: expected one of "
+                f"{', '.join(str(m) for m in MODES[1:])}"
+            )
+        if self.inner != "inductor":
+            if self.mode not in (None, "default"):
+                raise ValueError(f"mode={self.mode!r} applies to the inductor inner only, "
+                                 f"not to inner={self._inner_name}")
+            if self.inductor_options:
+                raise ValueError(
+                    f"Inductor options {sorted(self.inductor_options)} apply to the inductor "
+                    f"inner only, not to inner={self._inner_name}"
+                )
+        else:
+            unknown = sorted(set(self.inductor_options) - _inductor_config_keys())
+            if unknown:
+                raise ValueError(
+                    f"unknown option(s) {unknown} for aux_capture: backend options are "
+                    f"{', '.join(_BACKEND_KEYS)}; any other key must be a torch._inductor.config name"
+                )
+
+    @property
+    def _inner_name(self) -> str:
+        return self.inner if isinstance(self.inner, str) else getattr(self.inner, "__name__", "callable")
+
+    def _rewrite(self, gm: fx.GraphModule, target: str) -> None:
+        if self.rewrite:
+            self.results.append(run_capture_pass(gm, target))
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> CompiledFn:
+        if self.inner == "eager":
+            self._rewrite(gm, "dynamo")
+            return gm.forward
+        if self.inner in ("aot_eager", "cudagraphs"):
+            return self._compile_aot(gm, example_inputs)
+        if self.inner == "inductor":
+            from torch._inductor import list_mode_options
+            from torch._inductor.compile_fx import compile_fx
+
+            self._rewrite(gm, "dynamo_inductor")
+            patches = {**list_mode_options(self.mode), **self.inductor_options}
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        self._rewrite(gm, "dynamo_functional")
+        return self.inner(gm, example_inputs)
+
+    def _compile_aot(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> CompiledFn:
+        from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+        from torch._dynamo.backends.common import aot_autograd
+
+        def forward_compiler(aot_gm: fx.GraphModule, aot_inputs: Sequence[Any]) -> CompiledFn:
+            self._rewrite(aot_gm, "aot")
+            if self.inner == "cudagraphs":
+                return _cudagraph(aot_gm, aot_inputs)
+            return make_boxed_func(aot_gm.forward)
+
+        def backward_compiler(aot_gm: fx.GraphModule, aot_inputs: Sequence[Any]) -> CompiledFn:
+            return make_boxed_func(aot_gm.forward)
+
+        return aot_autograd(
+            fw_compiler=forward_compiler,
+            bw_compiler=backward_compiler,
+            partition_fn=min_cut_rematerialization_partition,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+
+def _cudagraph(gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledFn:
+    """Capture the (rewritten) aten graph into one CUDA graph; inputs and outputs copied."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.cudagraphs import cudagraphs_inner
+
+    devices = {t.device.type for t in inputs if isinstance(t, torch.Tensor)}
+    if devices != {"cuda"}:
+        raise RuntimeError(f"inner='cudagraphs' needs CUDA tensors, got inputs on {sorted(devices)}")
+    run = cudagraphs_inner(gm, list(inputs), copy_outputs=True, copy_inputs=True)
+    return make_boxed_func(lambda args: run(*args))
+
+
+def aux_capture_backend(inner: Inner = "inductor", *, rewrite: bool = True,
+                        mode: Optional[str] = None, **inductor_options: Any) -> AuxCaptureBackend:
+    """The backend as a callable: ``torch.compile(m, backend=aux_capture_backend(inner="eager"))``."""
+    return AuxCaptureBackend(inner=inner, rewrite=rewrite, mode=mode,
+                             inductor_options=dict(inductor_options))
+
+
+def backend_from_options(mode: Optional[str] = None,
+                         options: Optional[Dict[str, Any]] = None) -> AuxCaptureBackend:
+    """Build the backend from ``torch.compile``'s ``mode=`` and ``options=``."""
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"options must be a dict, got {type(options).__name__}")
+    options = dict(options or {})
+    inner = options.pop("inner", "inductor")
+    rewrite = options.pop("rewrite", True)
+    return aux_capture_backend(inner, rewrite=rewrite, mode=mode, **options)
+
+
+def aux_capture(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,
+                mode: Optional[str] = None, options: Optional[Dict[str, Any]] = None) -> CompiledFn:
+    """The backend registered as ``"aux_capture"`` (entry point ``torch_dynamo_backends``)."""
+    return backend_from_options(mode, options)(gm, example_inputs)
+
+
+functools.update_wrapper(aux_capture_backend, aux_capture_backend)
