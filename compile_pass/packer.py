@@ -90,7 +90,10 @@ class AuxHiddenStatePacker:
         self._out = out
         self._buffer: Optional[torch.Tensor] = None
         self._feature_size: Optional[int] = None
-        self._first: Optional[torch.Tensor] = None
+        # what the first capture fixed (never the capture itself: it must not outlive its copy)
+        self._leading: Optional[tuple] = None
+        self._dtype: Optional[torch.dtype] = None
+        self._device: Optional[torch.device] = None
         self._idx = 0
 
     @property
@@ -103,10 +106,11 @@ class AuxHiddenStatePacker:
         shape = (*like.shape[:-1], feature * self._num_captures)
         if self._out is None:
             if self._buffer is not None:  # after reset(): reuse, same shape only
-                if tuple(self._buffer.shape) != tuple(shape) or self._buffer.dtype != like.dtype:
+                if (tuple(self._buffer.shape) != tuple(shape) or self._buffer.dtype != like.dtype
+                        or self._buffer.device != like.device):
                     raise AuxCaptureError(
                         f"reset() reuses the packed buffer {_describe(self._buffer)}, but the "
-                        f"next forward's captures need {tuple(shape)} {like.dtype}; "
+                        f"next forward's captures need {tuple(shape)} {like.dtype} on {like.device}; "
                         f"create a new packer for a new shape"
                     )
                 return self._buffer
@@ -135,25 +139,23 @@ class AuxHiddenStatePacker:
         return out[: like.shape[0]]
 
     def _check_like_first(self, like: torch.Tensor) -> None:
-        first = self._first
-        assert first is not None
-        if like.shape[-1] != first.shape[-1]:
+        if like.shape[-1] != self._feature_size:
             raise AuxCaptureError(
                 f"capture {self._idx} has feature size {like.shape[-1]}, "
-                f"the first capture had {first.shape[-1]}"
+                f"the first capture had {self._feature_size}"
             )
-        if tuple(like.shape[:-1]) != tuple(first.shape[:-1]):
+        if tuple(like.shape[:-1]) != self._leading:
             raise AuxCaptureError(
                 f"capture {self._idx} has leading shape {tuple(like.shape[:-1])}, "
-                f"the first capture had {tuple(first.shape[:-1])}"
+                f"the first capture had {self._leading}"
             )
-        if like.dtype != first.dtype:
+        if like.dtype != self._dtype:
             raise AuxCaptureError(
-                f"capture {self._idx} has dtype {like.dtype}, the first capture had {first.dtype}"
+                f"capture {self._idx} has dtype {like.dtype}, the first capture had {self._dtype}"
             )
-        if like.device != first.device:
+        if like.device != self._device:
             raise AuxCaptureError(
-                f"capture {self._idx} is on {like.device}, the first capture was on {first.device}"
+                f"capture {self._idx} is on {like.device}, the first capture was on {self._device}"
             )
 
     def slot(self, like: torch.Tensor) -> torch.Tensor:
@@ -170,10 +172,11 @@ class AuxHiddenStatePacker:
             raise AuxCaptureError(
                 f"capture {self._idx + 1} exceeds num_captures={self._num_captures}"
             )
-        if self._first is None:
+        if self._feature_size is None:
             self._buffer = self._packed_buffer_for(like)
-            self._first = like
             self._feature_size = like.shape[-1]
+            self._leading = tuple(like.shape[:-1])
+            self._dtype, self._device = like.dtype, like.device
         else:
             self._check_like_first(like)
         start = self._idx * self._feature_size
@@ -211,8 +214,8 @@ class AuxHiddenStatePacker:
         overwritten by the next forward's captures.
         """
         self._idx = 0
-        self._first = None
         self._feature_size = None
+        self._leading = self._dtype = self._device = None
 
 
 #: Both collectors accept borrowed values through ``capture``.

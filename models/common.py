@@ -163,13 +163,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         group = num_heads // num_kv_heads
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-    # [1, heads, T, hd]: the 4-D layout lets the CPU pick its blocked flash kernel, whose
-    # memory is O(T * hd) rather than O(T^2) (the capture-dominated configs rely on it).
+    # [1, heads, T, hd] with one head dim for q, k and v: the layout the CPU's blocked
+    # flash kernel takes, whose memory is O(T * hd) rather than O(T^2) (the capture-
+    # dominated configs rely on it). MLA's narrower v is zero-padded; each output column
+    # depends on its own v column only, so the padding does not change the result.
+    head_dim_v = v.shape[-1]
+    if head_dim_v < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - head_dim_v))
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         is_causal=True, scale=scale,
     )
-    return out[0].transpose(0, 1).contiguous()
+    return out[0, ..., :head_dim_v].transpose(0, 1).contiguous()
 
 
 @attention.register_fake

@@ -137,9 +137,9 @@ def tiny_config(**overrides) -> DeepseekConfig:
 def capture_dominated_config(**overrides) -> DeepseekConfig:
     """Cheap layers, small vocab: at thousands of tokens the captures dominate memory."""
     cfg = DeepseekConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=256, moe_intermediate_size=64,
-        num_layers=12, num_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2,
+        vocab_size=256, hidden_size=256, intermediate_size=64, moe_intermediate_size=16,
+        num_layers=12, num_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, first_k_dense=1, max_position=32768,
     )
     return dataclasses.replace(cfg, **overrides)

@@ -46,8 +46,8 @@ def tiny_config(k: int = 5, **overrides) -> LlamaConfig:
     return dflash_config(_llama_tiny_config(**overrides), k)
 
 
-def capture_dominated_config(k: int = 6, **overrides) -> LlamaConfig:
-    """Capture-dominated Llama (12 layers) capturing k=6: layers [1, 3, 4, 6, 7, 9]."""
+def capture_dominated_config(k: int = 8, **overrides) -> LlamaConfig:
+    """Capture-dominated Llama (12 layers) capturing k=8 layers spread over [1, 9]."""
     return dflash_config(_llama_capture_dominated_config(**overrides), k)
 
 
@@ -70,7 +70,7 @@ def capture_dominated(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     device: Optional[Union[str, torch.device]] = None,
-    k: int = 6,
+    k: int = 8,
     **overrides,
 ) -> Tuple[LlamaModel, Tuple[torch.Tensor, torch.Tensor]]:
     """:func:`capture_dominated_config` model and inputs; ``overrides`` replace Llama config fields."""

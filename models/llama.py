@@ -9,7 +9,8 @@ the embedding output ``hidden_states`` itself).
 Two capture producers (``LlamaConfig.capture_producer``):
 
 - ``"add"``: input norms are the pure-PyTorch :class:`~models.common.RMSNorm`; the capture
-  is a separate ``aux.append(hidden_states + residual)`` before the layer, as SGLang does.
+  is a separate ``aux.append(hidden_states + residual)`` before the layer, as SGLang does
+  (a packer's ``slot`` takes the sum directly: ``torch.add(h, r, out=aux.slot(h))``).
 - ``"fused_norm"``: input/post-attention norms are the functional custom op
   ``models::add_rms_norm``; the capture is its ``new_residual`` output, taken with
   ``aux.capture(new_residual, owned=True)`` (a fresh tensor, no clone): the capture
@@ -125,8 +126,8 @@ def tiny_config(**overrides) -> LlamaConfig:
 def capture_dominated_config(**overrides) -> LlamaConfig:
     """Cheap layers, small vocab: at thousands of tokens the captures dominate memory."""
     cfg = LlamaConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=256, num_layers=12,
-        num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0, max_position=32768,
+        vocab_size=256, hidden_size=256, intermediate_size=64, num_layers=12,
+        num_heads=2, num_kv_heads=1, head_dim=32, rope_theta=10000.0, max_position=32768,
     )
     return dataclasses.replace(cfg, **overrides)
 
@@ -279,6 +280,10 @@ class LlamaModel(nn.Module):
             if capture and not fused:
                 if residual is None:
                     aux.capture(hidden_states, owned=False)
+                elif getattr(aux, "copies_on_append", False) and not torch.compiler.is_compiling():
+                    # a packer hands out the slice: the sum is computed straight into it
+                    # (eager only: Dynamo does not trace a non-contiguous out=)
+                    torch.add(hidden_states, residual, out=aux.slot(hidden_states))
                 else:
                     aux.append(hidden_states + residual)
             normed, new_residual = layer.norm_input(hidden_states, residual)

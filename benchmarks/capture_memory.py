@@ -1,0 +1,186 @@
+"""Peak memory of aux-hidden-state capture: list path vs packer vs the compiler pass.
+
+For each reference model, config and token count, in one process, side by side:
+- eager rows: capture modes none / list / packer / list_out (+ the caller's pack);
+- compiled rows, per inner compiler: mode none, the list path with the pass off
+  (``rewrite=False``) and with the pass on.
+
+Columns: measured peak (CPU: profiler allocation events; CUDA: max_memory_allocated), the
+packed bytes, overhead = (peak - peak of mode none in the same execution) / packed, the
+wall-time ratio pass/no-pass (medians of repeated runs), the pass's own time per graph,
+and whether the result is bitwise equal to the reference (eager list path; Inductor rows:
+Inductor without the pass).
+
+    python benchmarks/capture_memory.py                       # the default sweep (CPU)
+    python benchmarks/capture_memory.py --models dflash --inners eager --tokens 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import models  # noqa: E402
+from compile_pass import pack_aux_hidden_states  # noqa: E402
+from compile_pass.backend import aux_capture_backend  # noqa: E402
+from compile_pass.memory import measure_peak  # noqa: E402
+
+CONFIGS = ("capture_dominated", "tiny")
+INNERS = ("eager", "aot_eager", "inductor")
+
+
+def _packed(aux: Any) -> Optional[torch.Tensor]:
+    if aux is None:
+        return None
+    return pack_aux_hidden_states(aux)
+
+
+def _caller(model: torch.nn.Module) -> Callable[..., Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """The forward plus the caller's pack (a no-op for packed results, a cat for lists)."""
+
+    def run(*inputs: torch.Tensor):
+        hidden, aux = model(*inputs)
+        return hidden, _packed(aux)
+
+    return run
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int, device: str) -> float:
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _equal(a: Tuple[torch.Tensor, Optional[torch.Tensor]], b: Tuple[torch.Tensor, Optional[torch.Tensor]]) -> bool:
+    if (a[1] is None) != (b[1] is None):
+        return False
+    return torch.equal(a[0], b[0]) and (a[1] is None or torch.equal(a[1], b[1]))
+
+
+def bench_one(model_name: str, config: str, tokens: int, inners: List[str], repeats: int,
+              device: str, dtype: torch.dtype) -> List[Dict[str, Any]]:
+    module = models.FACTORIES[model_name]
+    factory = getattr(module, config)
+    rows: List[Dict[str, Any]] = []
+
+    def build(mode: str):
+        model, inputs = factory(capture_mode=mode, tokens=tokens, dtype=dtype, seed=0)
+        return model.to(device), tuple(t.to(device) for t in inputs)
+
+    def row(execution: str, variant: str, peak: int, packed: int, none_peak: int,
+            equal: Optional[bool], seconds: float, **extra: Any) -> Dict[str, Any]:
+        return {"model": model_name, "config": config, "tokens": tokens, "device": device,
+                "dtype": str(dtype).replace("torch.", ""), "execution": execution, "variant": variant,
+                "peak_bytes": peak, "packed_bytes": packed,
+                "overhead": (peak - none_peak) / packed if packed else 0.0,
+                "bitwise_equal": equal, "seconds": seconds, **extra}
+
+    with torch.no_grad():
+        eager: Dict[str, Tuple[int, Any, float]] = {}
+        for mode in ("none", "list", "packer", "list_out"):
+            model, inputs = build(mode)
+            fn = _caller(model)
+            fn(*inputs)
+            peak, result = measure_peak(fn, *inputs)
+            eager[mode] = (peak, result, _median_seconds(lambda: fn(*inputs), repeats, device))
+            del model
+        reference = eager["list"][1]
+        packed = reference[1].numel() * reference[1].element_size()
+        for mode, (peak, result, seconds) in eager.items():
+            rows.append(row("eager", mode, peak, packed, eager["none"][0],
+                            None if mode == "none" else _equal(result, reference), seconds))
+
+        for inner in inners:
+            compiled: Dict[str, Tuple[int, Any, float, Any]] = {}
+            for variant, mode, rewrite in (("none", "none", False), ("list", "list", False),
+                                           ("list+pass", "list", True)):
+                model, inputs = build(mode)
+                torch._dynamo.reset()
+                backend = aux_capture_backend(inner, rewrite=rewrite)
+                fn = _caller(torch.compile(model, backend=backend, dynamic=True, fullgraph=True))
+                fn(*inputs)
+                peak, result = measure_peak(fn, *inputs)
+                seconds = _median_seconds(lambda: fn(*inputs), repeats, device)
+                compiled[variant] = (peak, result, seconds, backend)
+            none_peak = compiled["none"][0]
+            inner_reference = compiled["list"][1] if inner == "inductor" else reference
+            for variant, (peak, result, seconds, backend) in compiled.items():
+                extra: Dict[str, Any] = {}
+                if variant == "list+pass":
+                    groups = [g for r in backend.results for g in r.groups]
+                    extra = {
+                        "time_ratio_vs_no_pass": seconds / compiled["list"][2],
+                        "pass_seconds_per_graph": [r.seconds for r in backend.results],
+                        "groups_rewritten": sum(g.decision.value == "rewrite" for g in groups),
+                        "decisions": [f"{g.cat.name}: {g.decision.value}: {g.reason}"
+                                      for g in groups if g.k > 2 or g.decision.value == "rewrite"],
+                    }
+                rows.append(row(inner, variant, peak, packed, none_peak,
+                                None if variant == "none" else _equal(result, inner_reference),
+                                seconds, **extra))
+    return rows
+
+
+def format_table(rows: List[Dict[str, Any]]) -> str:
+    header = (f"{'model':9} {'config':17} {'T':>6} {'execution':10} {'variant':10} "
+              f"{'peak MiB':>9} {'packed':>7} {'overhead':>8} {'equal':>6} {'t ratio':>7} {'pass ms':>8}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        ratio = f"{r['time_ratio_vs_no_pass']:.2f}" if "time_ratio_vs_no_pass" in r else ""
+        pass_ms = (f"{1000 * max(r['pass_seconds_per_graph']):.1f}"
+                   if r.get("pass_seconds_per_graph") else "")
+        equal = "" if r["bitwise_equal"] is None else ("yes" if r["bitwise_equal"] else "NO")
+        lines.append(
+            f"{r['model']:9} {r['config']:17} {r['tokens']:>6} {r['execution']:10} {r['variant']:10} "
+            f"{r['peak_bytes'] / 2**20:9.1f} {r['packed_bytes'] / 2**20:7.1f} {r['overhead']:8.2f} "
+            f"{equal:>6} {ratio:>7} {pass_ms:>8}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="llama,deepseek,dflash")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--tokens", default="4096")
+    parser.add_argument("--inners", default=",".join(INNERS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    rows: List[Dict[str, Any]] = []
+    for model_name in args.models.split(","):
+        for config in args.configs.split(","):
+            for tokens in (int(t) for t in args.tokens.split(",")):
+                rows.extend(bench_one(model_name, config, tokens, args.inners.split(","),
+                                      args.repeats, args.device, dtype))
+                print(format_table(rows[-(4 + 3 * len(args.inners.split(","))):]), flush=True)
+    print()
+    print(format_table(rows))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"torch": torch.__version__, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
+        print(f"\nwrote {args.out}")
+    return 0 if all(r["bitwise_equal"] in (None, True) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
