@@ -21,7 +21,8 @@ from torch._dynamo.utils import counters
 
 from compile_pass.find import find_capture_groups
 from compile_pass.groups import CaptureGroup, Decision, Producer, summarize
-from compile_pass.liveness import MemoryTimeline, estimate_memory
+from compile_pass.cost import planned_peak
+from compile_pass.liveness import LivenessModel, MemoryTimeline
 from compile_pass.plan import GraphFacts, plan_group
 from compile_pass.dataflow import is_cat
 from compile_pass.find import classify_producer
@@ -88,8 +89,11 @@ def _inductor_computed_into(graph: fx.Graph) -> Dict[fx.Node, fx.Node]:
     return fused
 
 
-def _estimate(graph: fx.Graph, target: Target) -> MemoryTimeline:
-    return estimate_memory(graph, _inductor_computed_into(graph) if target.inductor_cost else None)
+def _liveness(graph: fx.Graph, target: Target, except_cat: Optional[fx.Node] = None) -> LivenessModel:
+    if not target.inductor_cost:
+        return LivenessModel(graph)
+    fused = {n: cat for n, cat in _inductor_computed_into(graph).items() if cat is not except_cat}
+    return LivenessModel(graph, fused)
 
 
 def copy_graph(graph: fx.Graph) -> Tuple[fx.Graph, Dict[fx.Node, fx.Node]]:
@@ -110,33 +114,46 @@ def _mib(n: Optional[int]) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
-def _decide(gm: fx.GraphModule, group: CaptureGroup, target: Target) -> Optional[fx.Graph]:
-    """Plan, trial-rewrite and cost one group; return the rewritten graph if accepted."""
-    facts = GraphFacts(gm.graph)
-    plan_group(group, facts, target.runs_as_is)
+class _GraphState:
+    """Facts and liveness of the current graph, recomputed only when it changes."""
+
+    def __init__(self, gm: fx.GraphModule, target: Target) -> None:
+        self.gm, self.target = gm, target
+        self.facts = GraphFacts(gm.graph)
+        self.liveness = _liveness(gm.graph, target)
+        self.peak = self.liveness.peak()
+
+
+def _decide(state: _GraphState, group: CaptureGroup) -> Optional[fx.Graph]:
+    """Plan and cost one group; return the rewritten graph if it lowers the estimated peak."""
+    target = state.target
+    plan_group(group, state.facts, target.runs_as_is)
     if group.decision is Decision.REJECT:
         return None
-    before = _estimate(gm.graph, target).peak_bytes
-    trial, node_map = copy_graph(gm.graph)
+    # under Inductor's cost model the rewritten group's producers are no longer fused into
+    # its concat, so they are priced on a model without that fusion
+    after_model = _liveness(state.gm.graph, target, except_cat=group.cat) \
+        if target.inductor_cost else state.liveness
+    before, after = state.peak, planned_peak(after_model, group)
+    group.estimated_peak_before, group.estimated_peak_after = before, after
+    if after >= before:
+        fused = [c for c in group.captures if c.producer in _INDUCTOR_COMPUTES_INTO_CAT]
+        why = f"estimated peak would not drop ({_mib(before)} -> {_mib(after)})"
+        if target.inductor_cost and fused:
+            why += (f"; Inductor already computes {len(fused)} of {group.k} captures straight "
+                    f"into the concat output")
+        group.reject(why)
+        return None
+    trial, node_map = copy_graph(state.gm.graph)
     try:
         rewrite_group(trial, group.replace_nodes(node_map))
         trial.lint()
     except RewriteError as e:
         group.reject(str(e))
         return None
-    after = _estimate(trial, target).peak_bytes
-    group.estimated_peak_before, group.estimated_peak_after = before, after
-    if after < before:
-        group.decision = Decision.REWRITE
-        group.reason = f"estimated peak {_mib(before)} -> {_mib(after)} ({(after - before) / before:+.0%})"
-        return trial
-    fused = [c for c in group.captures if c.producer in _INDUCTOR_COMPUTES_INTO_CAT]
-    why = f"estimated peak would not drop ({_mib(before)} -> {_mib(after)})"
-    if target.inductor_cost and fused:
-        why += (f"; Inductor already computes {len(fused)} of {group.k} captures straight into "
-                f"the concat output")
-    group.reject(why)
-    return None
+    group.decision = Decision.REWRITE
+    group.reason = f"estimated peak {_mib(before)} -> {_mib(after)} ({(after - before) / before:+.0%})"
+    return trial
 
 
 def _record(result: PassResult) -> None:
@@ -162,28 +179,31 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
     original = gm.graph
     try:
         if estimate:
-            result.timeline_before = _estimate(gm.graph, target)
-        handled: set = set()
+            result.timeline_before = _liveness(gm.graph, target).timeline()
+        groups = find_capture_groups(gm)
+        state: Optional[_GraphState] = None
         graph_changed = False
-        while True:
-            pending = [g for g in find_capture_groups(gm) if g.cat.name not in handled]
-            if not pending:
-                break
-            group = pending[0]
-            handled.add(group.cat.name)
+        i = 0
+        while i < len(groups):
+            group = groups[i]
+            i += 1
             result.groups.append(group)
             if group.decision is not Decision.FOUND:
                 continue
             group.placement = target.name
-            rewritten = _decide(gm, group, target)
-            if rewritten is not None:
-                gm.graph = rewritten
-                graph_changed = True
+            state = state or _GraphState(gm, target)
+            rewritten = _decide(state, group)
+            if rewritten is None:
+                continue
+            gm.graph, state, graph_changed = rewritten, None, True
+            # the rewrite replaced nodes: find the remaining groups again on the new graph
+            remaining = {g.cat.name for g in groups[i:]}
+            groups = groups[:i] + [g for g in find_capture_groups(gm) if g.cat.name in remaining]
         if graph_changed:
             gm.recompile()
         result.code_after = gm.code
         if estimate:
-            result.timeline_after = _estimate(gm.graph, target)
+            result.timeline_after = _liveness(gm.graph, target).timeline()
     except Exception as e:  # noqa: BLE001 - the pass must never break a compile
         result.error = f"{type(e).__name__}: {e}"
         if gm.graph is not original:

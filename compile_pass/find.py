@@ -159,20 +159,27 @@ def _group_for(cat: fx.Node) -> Optional[CaptureGroup]:
 _LAYER_BOUNDARIES = {Producer.MATMUL, Producer.BATCHED_MATMUL, Producer.CUSTOM_OP}
 
 
-def _spans_layers(group: CaptureGroup, order: List[fx.Node]) -> bool:
+def _layer_boundary_counts(order: List[fx.Node]) -> List[int]:
+    """``counts[i]``: matmuls and opaque ops among ``order[:i]`` (prefix sums)."""
+    counts = [0]
+    for n in order:
+        boundary = n.op == "call_function" and classify_producer(n) in _LAYER_BOUNDARIES
+        counts.append(counts[-1] + boundary)
+    return counts
+
+
+def _spans_layers(group: CaptureGroup, position: dict, boundaries: List[int]) -> bool:
     """True if a matmul or an opaque op runs between the first and the last capture.
 
     This is the dataflow sense of "captured across layers": a concat whose inputs are all
     computed inside one block (RoPE's rotate-half, MLA's nope/rope join) is not a capture
     group and stays with the compiler.
     """
-    position = {n: i for i, n in enumerate(order)}
     produced = [position[c.node] for c in group.captures if c.node.op not in ("placeholder", "get_attr")]
     if len(produced) < 2:
         return True
     first, last = min(produced), max(produced)
-    return any(classify_producer(n) in _LAYER_BOUNDARIES
-               for n in order[first + 1:last] if n.op == "call_function")
+    return boundaries[last] - boundaries[first + 1] > 0
 
 
 def find_capture_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureGroup]:
@@ -184,12 +191,16 @@ def find_capture_groups(graph_module: fx.GraphModule | fx.Graph) -> List[Capture
     graph = graph_module.graph if isinstance(graph_module, fx.GraphModule) else graph_module
     groups = []
     order = list(graph.nodes)
+    position = {n: i for i, n in enumerate(order)}
+    boundaries: Optional[List[int]] = None
     for node in order:
         if is_cat(node):
             group = _group_for(node)
             if group is None:
                 continue
-            if group.decision is Decision.FOUND and not _spans_layers(group, order):
+            if group.decision is Decision.FOUND and boundaries is None:
+                boundaries = _layer_boundary_counts(order)
+            if group.decision is Decision.FOUND and not _spans_layers(group, position, boundaries):
                 group.reject("all captures are produced inside one block (no matmul or opaque "
                              "op between them): not a cross-layer capture, left to the compiler")
             groups.append(group)

@@ -10,24 +10,28 @@ as ``compile_pass.memory.measure_peak``. Symbolic sizes are evaluated at their h
 storage (Inductor's concat lowering writes pointwise and mm producers into the concat's
 output): such a node allocates nothing of its own and the target's storage is allocated at
 the earliest such node instead.
+
+Times are in half steps: node ``i`` runs at time ``2 * i``; a node inserted right after it
+would run at ``2 * i + 1``. That lets the cost model (``cost.py``) price a planned rewrite
+on the original graph's intervals without building the rewritten graph.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional
+from typing import Any, Dict, Hashable, List, Mapping, Optional
 
 import torch
 import torch.fx as fx
 
 from compile_pass.dataflow import hint, storage_key
 
-__all__ = ["MemoryTimeline", "estimate_memory"]
+__all__ = ["Interval", "LivenessModel", "MemoryTimeline", "estimate_memory"]
 
 
 @dataclass
 class MemoryTimeline:
-    """Estimated live bytes after each node of a graph, and their maximum."""
+    """Estimated live bytes while each node of a graph runs, and their maximum."""
 
     node_names: List[str]
     live_bytes: List[int]
@@ -43,16 +47,22 @@ class MemoryTimeline:
         }
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+@dataclass(frozen=True)
+class Interval:
+    """A storage of ``size`` bytes live from time ``born`` to time ``last`` (inclusive)."""
+
+    size: int
+    born: int
+    last: int
+
+
+def _value_tensors(node: fx.Node) -> List[torch.Tensor]:
+    value = node.meta.get("val", node.meta.get("example_value"))
     if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-
-
-def _value(node: fx.Node) -> Any:
-    return node.meta.get("val", node.meta.get("example_value"))
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
@@ -65,54 +75,83 @@ def _storage_bytes(t: torch.Tensor) -> int:
         return n * t.element_size()
 
 
-def estimate_memory(
-    graph: fx.Graph, computed_into: Optional[Mapping[fx.Node, fx.Node]] = None
-) -> MemoryTimeline:
-    """Liveness-based live bytes per node (see the module docstring for the model)."""
-    nodes = list(graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
-    end = len(nodes)
-    computed_into = dict(computed_into or {})
+class LivenessModel:
+    """Storage intervals of one graph (see the module docstring for the model)."""
 
-    key_of_node: Dict[fx.Node, List[Hashable]] = {}
-    size: Dict[Hashable, int] = {}
-    born: Dict[Hashable, int] = {}
-    preexisting = set()
-    for node in nodes:
-        keys: List[Hashable] = []
-        target = computed_into.get(node)
-        tensors = list(_tensors(_value(target if target is not None else node)))
-        for t in tensors:
-            key = storage_key(t) or ("object", id(t))
-            keys.append(key)
-            if key in preexisting:
-                continue
-            if key in born:
-                born[key] = min(born[key], position[node])
-                continue
-            if node.op in ("placeholder", "get_attr"):
-                preexisting.add(key)
-                continue
-            born[key] = position[node]
-            size[key] = _storage_bytes(t)
-        key_of_node[node] = keys
+    def __init__(self, graph: fx.Graph,
+                 computed_into: Optional[Mapping[fx.Node, fx.Node]] = None) -> None:
+        self.nodes = list(graph.nodes)
+        self.position = {n: i for i, n in enumerate(self.nodes)}
+        self.end = 2 * len(self.nodes)
+        computed_into = computed_into or {}
+        self.keys_of: Dict[fx.Node, List[Hashable]] = {}
+        self.nodes_of: Dict[Hashable, List[fx.Node]] = {}
+        born: Dict[Hashable, int] = {}
+        size: Dict[Hashable, int] = {}
+        preexisting = set()
+        for node in self.nodes:
+            time = 2 * self.position[node]
+            target = computed_into.get(node)
+            keys: List[Hashable] = []
+            for t in _value_tensors(target if target is not None else node):
+                key = storage_key(t) or ("object", id(t))
+                keys.append(key)
+                self.nodes_of.setdefault(key, []).append(node)
+                if key in preexisting:
+                    continue
+                if key in born:
+                    born[key] = min(born[key], time)
+                elif node.op in ("placeholder", "get_attr"):
+                    preexisting.add(key)
+                else:
+                    born[key], size[key] = time, _storage_bytes(t)
+            self.keys_of[node] = keys
+        self.intervals: Dict[Hashable, Interval] = {
+            key: Interval(size[key], start, self.last_read(key)) for key, start in born.items()
+        }
 
-    last_use: Dict[Hashable, int] = {}
-    for node in nodes:
-        last = position[node]
-        for user in node.users:
-            last = max(last, end if user.op == "output" else position[user])
-        for key in key_of_node[node]:
-            last_use[key] = max(last_use.get(key, 0), last)
+    def last_read(self, key: Hashable, ignore: Optional[fx.Node] = None) -> int:
+        """Time of the last read of storage ``key`` by any node except ``ignore``."""
+        last = 0
+        for node in self.nodes_of.get(key, ()):
+            last = max(last, 2 * self.position[node])
+            for user in node.users:
+                if user is ignore:
+                    continue
+                last = max(last, self.end if user.op == "output" else 2 * self.position[user])
+        return last
 
-    delta = [0] * (end + 2)
-    for key, start in born.items():
-        delta[start] += size[key]
-        delta[min(last_use.get(key, start), end) + 1] -= size[key]
-    live, timeline = 0, []
-    for i in range(end):
-        live += delta[i]
-        timeline.append(live)
-    peak = max(timeline) if timeline else 0
-    peak_node = nodes[timeline.index(peak)].name if timeline and peak > 0 else None
-    return MemoryTimeline([n.name for n in nodes], timeline, peak, peak_node)
+    def live_bytes(self, changes: Optional[Mapping[Hashable, Optional[Interval]]] = None) -> List[int]:
+        """Live bytes at every time step, with some intervals replaced (None: removed)."""
+        intervals = dict(self.intervals)
+        for key, interval in (changes or {}).items():
+            if interval is None:
+                intervals.pop(key, None)
+            else:
+                intervals[key] = interval
+        delta = [0] * (self.end + 2)
+        for interval in intervals.values():
+            delta[interval.born] += interval.size
+            delta[min(interval.last, self.end) + 1] -= interval.size
+        live, timeline = 0, []
+        for step in range(self.end + 1):
+            live += delta[step]
+            timeline.append(live)
+        return timeline
+
+    def peak(self, changes: Optional[Mapping[Hashable, Optional[Interval]]] = None) -> int:
+        return max(self.live_bytes(changes), default=0)
+
+    def timeline(self) -> MemoryTimeline:
+        """Live bytes while each node runs (even time steps)."""
+        steps = self.live_bytes()
+        per_node = [steps[2 * i] for i in range(len(self.nodes))]
+        peak = max(per_node, default=0)
+        peak_node = self.nodes[per_node.index(peak)].name if peak > 0 else None
+        return MemoryTimeline([n.name for n in self.nodes], per_node, peak, peak_node)
+
+
+def estimate_memory(graph: fx.Graph,
+                    computed_into: Optional[Mapping[fx.Node, fx.Node]] = None) -> MemoryTimeline:
+    """Liveness-based live bytes per node of ``graph``."""
+    return LivenessModel(graph, computed_into).timeline()

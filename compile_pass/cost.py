@@ -1,0 +1,61 @@
+"""Cost model: the estimated peak of a graph before and after a planned capture group.
+
+The "after" peak is priced on the original graph's storage intervals (``LivenessModel``)
+rather than on a rewritten copy, so deciding a group costs one sweep, not a graph copy:
+
+- the concat's storage becomes the packed buffer: born at the group's first write
+  instead of at the concat, freed when the concat's result was;
+- a COPY capture is no longer read by the concat: it dies at its write (or at its last
+  other reader, whichever is later);
+- a COMPUTE_INTO or ELIDE_CLONE capture allocates nothing: its value is the buffer's
+  slice (readers of it keep the buffer alive).
+
+``tests/test_cost.py`` checks this against the liveness of the actually rewritten graph.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Hashable, Optional
+
+from compile_pass.groups import Capture, CaptureGroup, Strategy
+from compile_pass.liveness import Interval, LivenessModel
+
+__all__ = ["write_time", "planned_changes", "planned_peak"]
+
+
+def write_time(model: LivenessModel, capture: Capture) -> Optional[int]:
+    """When a planned capture is written (half steps); None for graph inputs (with the first)."""
+    if capture.write_after is None:
+        return None
+    if capture.strategy in (Strategy.COMPUTE_INTO, Strategy.ELIDE_CLONE):
+        return 2 * model.position[capture.node]
+    return 2 * model.position[capture.write_after] + 1
+
+
+def planned_changes(model: LivenessModel, group: CaptureGroup) -> Dict[Hashable, Optional[Interval]]:
+    """Interval changes that the planned rewrite of ``group`` makes to ``model``'s graph."""
+    times = [t for t in (write_time(model, c) for c in group.captures) if t is not None]
+    first_write = min(times)
+    cat_key = model.keys_of[group.cat][0]
+    packed = model.intervals[cat_key]
+    buffer_last = packed.last
+    changes: Dict[Hashable, Optional[Interval]] = {}
+    for capture in group.captures:
+        keys = model.keys_of.get(capture.node) or []
+        key = keys[0] if keys else None
+        if key is None or key not in model.intervals or key == cat_key:
+            continue  # graph inputs and parameters: live anyway
+        if capture.strategy in (Strategy.COMPUTE_INTO, Strategy.ELIDE_CLONE):
+            buffer_last = max(buffer_last, model.last_read(key, ignore=group.cat))
+            changes[key] = None
+        else:
+            current = changes.get(key, model.intervals[key])
+            last = max(model.last_read(key, ignore=group.cat), write_time(model, capture) or 0)
+            changes[key] = Interval(current.size, current.born, last)
+    changes[cat_key] = Interval(packed.size, first_write, buffer_last)
+    return changes
+
+
+def planned_peak(model: LivenessModel, group: CaptureGroup) -> int:
+    """Estimated peak bytes of the graph after the planned rewrite of ``group``."""
+    return model.peak(planned_changes(model, group))
