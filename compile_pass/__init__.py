@@ -8,6 +8,12 @@ Three ways in:
 
 import logging
 
+from compile_pass.backend import AuxCaptureBackend, aux_capture_backend
+from compile_pass.capture_pass import PassResult, run_capture_pass
+from compile_pass.find import find_capture_groups
+from compile_pass.groups import Capture, CaptureGroup, Decision, Producer, Strategy
+from compile_pass.inductor_pass import AuxCapturePass
+from compile_pass.memory import Peak, measure_peak
 from compile_pass.packer import (
     AuxCaptureError,
     AuxHiddenStateAccumulator,
@@ -20,6 +26,19 @@ from compile_pass.packer import (
 logging.getLogger("compile_pass").addHandler(logging.NullHandler())
 
 __all__ = [
+    "AuxCaptureBackend",
+    "AuxCapturePass",
+    "Capture",
+    "CaptureGroup",
+    "Decision",
+    "PassResult",
+    "Peak",
+    "Producer",
+    "Strategy",
+    "aux_capture_backend",
+    "find_capture_groups",
+    "measure_peak",
+    "run_capture_pass",
     "AuxCaptureError",
     "AuxHiddenStateAccumulator",
     "AuxHiddenStateList",

@@ -17,7 +17,6 @@ must land where nothing functionalizes the graph again (docs/design.md):
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -30,7 +29,7 @@ __all__ = ["AuxCaptureBackend", "aux_capture", "aux_capture_backend", "INNERS", 
 
 INNERS = ("inductor", "aot_eager", "eager", "cudagraphs")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-_BACKEND_KEYS = ("inner", "rewrite")
+_BACKEND_KEYS = ("inner", "rewrite", "cost_model")
 
 CompiledFn = Callable[..., Any]
 Inner = Union[str, Callable[[fx.GraphModule, List[torch.Tensor]], CompiledFn]]
@@ -52,6 +51,7 @@ class AuxCaptureBackend:
 
     inner: Inner = "inductor"
     rewrite: bool = True
+    cost_model: bool = True
     mode: Optional[str] = None
     inductor_options: Dict[str, Any] = field(default_factory=dict)
     results: List[PassResult] = field(default_factory=list)
@@ -64,8 +64,9 @@ class AuxCaptureBackend:
             )
         if not isinstance(self.inner, str) and not callable(self.inner):
             raise TypeError(f"inner must be a name or a callable, got {type(self.inner).__name__}")
-        if not isinstance(self.rewrite, bool):
-            raise TypeError(f"option 'rewrite' must be a bool, got {self.rewrite!r}")
+        for name in ("rewrite", "cost_model"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"option {name!r} must be a bool, got {getattr(self, name)!r}")
         if self.mode not in MODES:
             raise ValueError(
                 f"unknown mode {self.mode!r} for aux_capture: expected one of "
@@ -94,7 +95,7 @@ class AuxCaptureBackend:
 
     def _rewrite(self, gm: fx.GraphModule, target: str) -> None:
         if self.rewrite:
-            self.results.append(run_capture_pass(gm, target))
+            self.results.append(run_capture_pass(gm, target, cost_model=self.cost_model))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> CompiledFn:
         if self.inner == "eager":
@@ -107,7 +108,8 @@ class AuxCaptureBackend:
             from torch._inductor.compile_fx import compile_fx
 
             self._rewrite(gm, "dynamo_inductor")
-            patches = {**list_mode_options(self.mode), **self.inductor_options}
+            mode_options = list_mode_options(self.mode) if self.mode not in (None, "default") else {}
+            patches = {**mode_options, **self.inductor_options}
             return compile_fx(gm, example_inputs, config_patches=patches)
         self._rewrite(gm, "dynamo_functional")
         return self.inner(gm, example_inputs)
@@ -145,10 +147,15 @@ def _cudagraph(gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledFn:
     return make_boxed_func(lambda args: run(*args))
 
 
-def aux_capture_backend(inner: Inner = "inductor", *, rewrite: bool = True,
+def aux_capture_backend(inner: Inner = "inductor", *, rewrite: bool = True, cost_model: bool = True,
                         mode: Optional[str] = None, **inductor_options: Any) -> AuxCaptureBackend:
-    """The backend as a callable: ``torch.compile(m, backend=aux_capture_backend(inner="eager"))``."""
-    return AuxCaptureBackend(inner=inner, rewrite=rewrite, mode=mode,
+    """The backend as a callable: ``torch.compile(m, backend=aux_capture_backend(inner="eager"))``.
+
+    ``rewrite=False``: the same compile with the pass off. ``cost_model=False``: rewrite
+    every group that can be rewritten, even where the estimated peak does not drop.
+    Other keywords are Inductor config options (inductor inner only).
+    """
+    return AuxCaptureBackend(inner=inner, rewrite=rewrite, cost_model=cost_model, mode=mode,
                              inductor_options=dict(inductor_options))
 
 
@@ -160,7 +167,8 @@ def backend_from_options(mode: Optional[str] = None,
     options = dict(options or {})
     inner = options.pop("inner", "inductor")
     rewrite = options.pop("rewrite", True)
-    return aux_capture_backend(inner, rewrite=rewrite, mode=mode, **options)
+    cost_model = options.pop("cost_model", True)
+    return aux_capture_backend(inner, rewrite=rewrite, cost_model=cost_model, mode=mode, **options)
 
 
 def aux_capture(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,
@@ -169,4 +177,3 @@ def aux_capture(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,
     return backend_from_options(mode, options)(gm, example_inputs)
 
 
-functools.update_wrapper(aux_capture_backend, aux_capture_backend)

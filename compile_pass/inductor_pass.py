@@ -1,0 +1,54 @@
+"""``AuxCapturePass``: the capture pass as an Inductor post-grad custom pass.
+
+    torch._inductor.config.post_grad_custom_post_pass = compile_pass.AuxCapturePass()
+
+It runs on Inductor's post-grad graph (functional aten IR, before reinplacing and
+lowering) with Inductor's cost model: a group is rewritten only where the estimated peak
+drops once pointwise and mm producers, which Inductor's concat lowering already computes
+into the concat's output, are taken into account. Writes are the mutating
+``compile_pass::write_slice_`` op, which Inductor lowers as an in-place fallback call.
+
+``uuid()`` hashes the package's source files and the pass's options, so the FX graph
+cache misses whenever either changes and hits otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from compile_pass.capture_pass import PassResult, run_capture_pass
+
+__all__ = ["AuxCapturePass"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _source_files() -> tuple:
+    return tuple(sorted(os.path.join(_PACKAGE_DIR, f) for f in os.listdir(_PACKAGE_DIR)
+                        if f.endswith(".py")))
+
+
+class AuxCapturePass(CustomGraphPass):
+    """Inductor post-grad pass rewriting aux-hidden-state concats into packed buffers."""
+
+    def __init__(self, cost_model: bool = True) -> None:
+        if not isinstance(cost_model, bool):
+            raise TypeError(f"cost_model must be a bool, got {cost_model!r}")
+        self.cost_model = cost_model
+        self.results: List[PassResult] = []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        gm: Optional[fx.GraphModule] = graph.owning_module
+        if gm is None:  # a bare graph: give the pass a module to recompile
+            gm = fx.GraphModule({}, graph)
+        self.results.append(run_capture_pass(gm, "post_grad", cost_model=self.cost_model))
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files(_source_files(), extra=f"cost_model={self.cost_model}")
+
+    def __repr__(self) -> str:
+        return f"AuxCapturePass(cost_model={self.cost_model})"
