@@ -25,7 +25,7 @@ from compile_pass.groups import CaptureGroup, Decision, Producer, summarize
 from compile_pass.cost import planned_peak
 from compile_pass.liveness import LivenessModel, MemoryTimeline
 from compile_pass.plan import GraphFacts, plan_group
-from compile_pass.dataflow import is_cat
+from compile_pass.dataflow import is_cat, tensor_value
 from compile_pass.find import classify_producer
 from compile_pass.rewrite import RewriteError, rewrite_group
 
@@ -50,15 +50,16 @@ class Target:
     name: str
     runs_as_is: bool
     inductor_cost: bool
+    autograd_free: bool = False  # the graph runs with autograd already handled (AOT, post-grad)
 
 
 TARGETS: Dict[str, Target] = {
     "dynamo": Target("dynamo", runs_as_is=True, inductor_cost=False),  # eager inner
-    "aot": Target("aot", runs_as_is=True, inductor_cost=False),  # aot_eager / cudagraphs inners
+    "aot": Target("aot", runs_as_is=True, inductor_cost=False, autograd_free=True),  # aot_eager / cudagraphs inners
     "dynamo_inductor": Target("dynamo_inductor", runs_as_is=False, inductor_cost=True),
     "dynamo_functional": Target("dynamo_functional", runs_as_is=False, inductor_cost=False),
     # Inductor's post-grad graph (AuxCapturePass): functional, lowered by Inductor next
-    "post_grad": Target("post_grad", runs_as_is=False, inductor_cost=True),
+    "post_grad": Target("post_grad", runs_as_is=False, inductor_cost=True, autograd_free=True),
 }
 
 
@@ -132,6 +133,12 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
     ``cost_model=False``, whenever the plan is valid) and a trial rewrite on a copy of the
     graph succeeds."""
     target = state.target
+    packed = tensor_value(group.cat)
+    if packed is not None and packed.requires_grad and not target.autograd_free:
+        group.reject("the captures require grad: in-place writes into a buffer have no autograd "
+                     "formula here; under autograd use inner aot_eager or inductor (rewritten "
+                     "after AOTAutograd), or capture under torch.no_grad()")
+        return False
     plan_group(group, state.facts, target.runs_as_is)
     if group.decision is Decision.REJECT:
         return False

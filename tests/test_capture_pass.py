@@ -1,0 +1,315 @@
+"""The capture pass on graphs directly: finding, planning, pricing, rewriting.
+
+Graphs come from Dynamo (torch IR) and from AOTAutograd (aten IR) through capturing
+backends; each rewritten graph is run as is and compared bitwise with the original.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from functorch.compile import make_boxed_func
+
+import models
+from compile_pass import find_capture_groups, run_capture_pass
+from compile_pass.capture_pass import TARGETS
+from compile_pass.cost import planned_peak
+from compile_pass.groups import Decision, Producer, Strategy
+from compile_pass.liveness import LivenessModel, estimate_memory
+from compile_pass.memory import measure_peak
+from compile_pass.plan import GraphFacts, plan_group
+
+
+def dynamo_graph(fn: Callable, *args, grad: bool = False) -> fx.GraphModule:
+    """The Dynamo graph of ``fn``, with dim 0 of the tensor arguments (tokens) dynamic."""
+    graphs: List[fx.GraphModule] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    token_args = [a for a in args if isinstance(a, torch.Tensor) and a.shape[0] == args[0].shape[0]]
+    for a in token_args:
+        torch._dynamo.mark_dynamic(a, 0)
+    with torch.set_grad_enabled(grad):
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def aot_graph(fn: Callable, *args) -> fx.GraphModule:
+    graphs: List[fx.GraphModule] = []
+
+    def fw(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=aot_autograd(fw_compiler=fw), dynamic=True, fullgraph=True)(*args)
+    return graphs[0]
+
+
+@torch.no_grad()
+def run_graph(gm: fx.GraphModule, *args):
+    """Run a Dynamo graph as is with the inputs Dynamo lifted (sizes, then tensors, params)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = []
+    tensors = iter(args)
+    for node in placeholders:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt):
+            values.append(None)  # filled below from the first tensor's size
+        else:
+            values.append(next(tensors))
+    for i, node in enumerate(placeholders):
+        if values[i] is None:
+            expr = node.meta["example_value"].node.expr
+            for p, v in zip(placeholders, values):
+                ev = p.meta.get("example_value")
+                if isinstance(ev, torch.Tensor) and v is not None:
+                    dims = [d for d, s in enumerate(ev.shape)
+                            if isinstance(s, torch.SymInt) and s.node.expr == expr]
+                    if dims:
+                        values[i] = v.shape[dims[0]]
+                        break
+    return gm(*values)
+
+
+class Decoder(torch.nn.Module):
+    """A capture-dominated toy decoder: cheap layers, captures of hidden + residual."""
+
+    def __init__(self, layers: int = 8, hidden: int = 64, capture_at=(1, 3, 5), dtype=torch.float32):
+        super().__init__()
+        self.linears = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden, dtype=dtype)
+                                           for _ in range(layers))
+        self.capture_at = tuple(capture_at)
+
+    def forward(self, x):
+        aux = []
+        residual = torch.zeros_like(x)
+        for i, linear in enumerate(self.linears):
+            if i in self.capture_at:
+                aux.append(x + residual)
+            residual = residual + x
+            x = linear(x).relu()
+        return x, torch.cat(aux, dim=-1)
+
+
+@pytest.fixture(scope="module")
+def decoder_and_input():
+    torch.manual_seed(0)
+    return Decoder().eval(), torch.randn(512, 64)
+
+
+def test_find_on_dynamo_graph_reports_the_group(decoder_and_input):
+    model, x = decoder_and_input
+    gm = dynamo_graph(model, x)
+    groups = find_capture_groups(gm)
+    assert len(groups) == 1
+    g = groups[0]
+    assert g.decision is Decision.FOUND and g.k == 3
+    assert g.dim == 1 and g.widths == (64, 64, 64)
+    assert g.dtype == torch.float32 and g.device.type == "cpu"
+    assert g.example_shape == (512, 192) and g.shape[1] == "192" and not g.shape[0].isdigit()
+    assert g.packed_bytes == 512 * 192 * 4
+    assert [c.offset for c in g.captures] == [0, 64, 128]
+    assert all(c.producer is Producer.EXACT_ARITHMETIC for c in g.captures)
+    assert all("aux.append(x + residual)" in c.source and "test_capture_pass.py" in c.source
+               for c in g.captures)
+    # finding does not change the graph
+    assert "torch.cat" in gm.code
+
+
+def test_find_on_aot_graph(decoder_and_input):
+    model, x = decoder_and_input
+    gm = aot_graph(model, x)
+    groups = find_capture_groups(gm)
+    assert [g.k for g in groups] == [3]
+    assert groups[0].widths == (64, 64, 64)
+    assert all(c.producer is Producer.EXACT_ARITHMETIC for c in groups[0].captures)
+
+
+@pytest.mark.parametrize("target", ["dynamo", "dynamo_functional"])
+def test_rewrite_is_bitwise_and_lowers_estimate(decoder_and_input, target):
+    model, x = decoder_and_input
+    gm = dynamo_graph(model, x)
+    before = run_graph(gm, x, *[p for p in model.parameters()])
+    with torch.no_grad():
+        reference = model(x)
+    assert torch.equal(before[1], reference[1])
+    result = run_capture_pass(gm, target, estimate=True)
+    assert result.error is None
+    [group] = result.groups
+    assert group.decision is Decision.REWRITE, group.reason
+    assert group.estimated_peak_after < group.estimated_peak_before
+    assert "aux_packed" in result.code_after and "torch.cat" not in result.code_after
+    expected = Strategy.COMPUTE_INTO if TARGETS[target].runs_as_is else Strategy.COPY
+    assert [c.strategy for c in group.captures] == [expected] * 3
+    after = run_graph(gm, x, *[p for p in model.parameters()])
+    assert torch.equal(after[0], reference[0]) and torch.equal(after[1], reference[1])
+    # a second token count through the same (symbolic) graph
+    y = torch.randn(77, 64)
+    assert torch.equal(run_graph(gm, y, *model.parameters())[1], model(y)[1])
+
+
+def test_planned_peak_matches_the_rewritten_graph(decoder_and_input):
+    """The cost model prices the plan on the original graph: check against the real rewrite."""
+    model, x = decoder_and_input
+    for target in ("dynamo", "dynamo_functional"):
+        gm = dynamo_graph(model, x)
+        [group] = find_capture_groups(gm)
+        plan_group(group, GraphFacts(gm.graph), TARGETS[target].runs_as_is)
+        predicted = planned_peak(LivenessModel(gm.graph), group)
+        run_capture_pass(gm, target, cost_model=False)
+        assert estimate_memory(gm.graph).peak_bytes == predicted, target
+
+
+def test_estimate_matches_measured_peak_of_graph_run_as_is(decoder_and_input):
+    model, x = decoder_and_input
+    x = torch.randn(4096, 64)
+    for rewrite in (False, True):
+        gm = dynamo_graph(model, x)
+        if rewrite:
+            assert run_capture_pass(gm, "dynamo").changed
+        estimated = estimate_memory(gm.graph).peak_bytes
+        with torch.no_grad():
+            measured = measure_peak(run_graph, gm, x, *model.parameters()).bytes
+        assert abs(measured - estimated) <= 0.05 * measured, (rewrite, measured, estimated)
+
+
+def test_mutation_after_capture_moves_the_write():
+    def fn(x, w):
+        aux = []
+        h = x @ w
+        aux.append(h)
+        h.mul_(2.0)  # the cat reads the mutated value
+        g = (h @ w).relu()
+        aux.append(g)
+        return torch.cat(aux, dim=-1)
+
+    x, w = torch.randn(16, 8), torch.randn(8, 8)
+    gm = dynamo_graph(fn, x, w)
+    result = run_capture_pass(gm, "dynamo", cost_model=False)
+    [group] = result.groups
+    first = group.captures[0]
+    assert first.strategy is Strategy.COPY and "mutated in place" in first.note
+    assert first.write_after is not None and "mul_" in first.write_after.name
+    assert torch.equal(run_graph(gm, x, w)[0], fn(x.clone(), w))
+
+
+def test_clone_feeding_only_the_concat_is_elided():
+    def fn(x, w):
+        aux = []
+        for _ in range(3):
+            x = (x @ w).sin()
+            aux.append(x.clone())
+            x.add_(1.0)  # the producer is mutated after the clone: the clone is the snapshot
+        return torch.cat(aux, dim=-1)
+
+    x, w = torch.randn(16, 8), torch.randn(8, 8)
+    gm = dynamo_graph(fn, x, w)
+    assert gm.code.count(".clone()") == 3
+    result = run_capture_pass(gm, "dynamo", cost_model=False)
+    [group] = result.groups
+    assert [c.strategy for c in group.captures] == [Strategy.ELIDE_CLONE] * 3
+    assert ".clone()" not in result.code_after
+    assert torch.equal(run_graph(gm, x, w)[0], fn(x.clone(), w))
+
+
+def test_capture_with_later_readers_stays_correct():
+    def fn(x, w):
+        aux = []
+        for _ in range(3):
+            h = x + 1.0
+            y = x * 2.0
+            c = h + y
+            aux.append(c)
+            x = (c @ w).tanh() + c  # the capture is read again by the next layer
+        return x, torch.cat(aux, dim=-1)
+
+    x, w = torch.randn(32, 8), torch.randn(8, 8)
+    gm = dynamo_graph(fn, x, w)
+    result = run_capture_pass(gm, "dynamo", cost_model=False)
+    assert result.groups[0].decision is Decision.REWRITE
+    out = run_graph(gm, x, w)
+    ref = fn(x, w)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+def test_rejections_carry_reasons():
+    def mixed(x, w):
+        a = x @ w
+        b = (a @ w).to(torch.float64)
+        return torch.cat([a, b], dim=-1)
+
+    def one_block(x, w):
+        h = x @ w
+        return torch.cat([h.sin(), h.cos()], dim=-1)
+
+    x, w = torch.randn(8, 4), torch.randn(4, 4)
+    [g] = run_capture_pass(dynamo_graph(mixed, x, w), "dynamo").groups
+    assert g.decision is Decision.REJECT and "torch.float64" in g.reason and "type-promotes" in g.reason
+    [g] = run_capture_pass(dynamo_graph(one_block, x, w), "dynamo").groups
+    assert g.decision is Decision.REJECT and "inside one block" in g.reason
+
+
+def test_captures_that_require_grad_are_left_alone(decoder_and_input):
+    model, x = decoder_and_input
+    gm = dynamo_graph(model, x, grad=True)
+    [g] = run_capture_pass(gm, "dynamo", cost_model=False).groups
+    assert g.decision is Decision.REJECT and "require grad" in g.reason
+    # after AOTAutograd the forward graph runs without autograd: rewritten
+    gm = aot_graph(model, x)
+    [g] = run_capture_pass(gm, "aot", cost_model=False).groups
+    assert g.decision is Decision.REWRITE
+
+
+def test_no_drop_is_rejected_with_the_estimates():
+    model, inputs = models.llama.tiny(capture_mode="list", tokens=16)
+    gm = dynamo_graph(model, *inputs)
+    result = run_capture_pass(gm, "dynamo")
+    capture_groups = [g for g in result.groups if g.k == model.num_captures]
+    assert len(capture_groups) == 1
+    g = capture_groups[0]
+    assert g.decision is Decision.REJECT and "would not drop" in g.reason
+    assert g.estimated_peak_before is not None and g.estimated_peak_after >= g.estimated_peak_before
+    assert not result.changed and result.code_after == result.code_before
+
+
+def compile_with_pass(fn: Callable, target: str = "dynamo", **pass_options):
+    """``fn`` compiled by a backend that runs the pass on the Dynamo graph, then runs it as is."""
+    results = []
+
+    def backend(gm, example_inputs):
+        results.append(run_capture_pass(gm, target, **pass_options))
+        return gm.forward
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, dynamic=True, fullgraph=True), results
+
+
+def test_pass_on_capture_dominated_dflash_rewrites_with_cost_model():
+    model, inputs = models.dflash.capture_dominated(capture_mode="list", tokens=512)
+    compiled, results = compile_with_pass(model)
+    with torch.no_grad():
+        reference = model(*inputs)
+        out = compiled(*inputs)
+    [g] = [g for g in results[0].groups if g.k == model.num_captures]
+    assert g.decision is Decision.REWRITE, g.reason
+    assert all("aux.append(hidden_states + residual)" in c.source for c in g.captures)
+    assert torch.equal(out[0], reference[0]) and torch.equal(out[1], reference[1])
+
+
+def test_pass_time_on_llama_graph_is_small():
+    model, inputs = models.llama.tiny(capture_mode="list", tokens=16)
+    gm = dynamo_graph(model, *inputs)
+    run_capture_pass(gm, "dynamo")  # first run: imports, op registration
+    gm = dynamo_graph(model, *inputs)
+    result = run_capture_pass(gm, "dynamo")
+    assert result.seconds < 0.5, result.seconds
