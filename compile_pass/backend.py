@@ -8,9 +8,12 @@ must land where nothing functionalizes the graph again (docs/design.md):
 | ``eager``    | the Dynamo graph                                | runs as is                    |
 | ``aot_eager``| the functional aten graph after AOTAutograd     | runs as is                    |
 | ``cudagraphs``| the functional aten graph after AOTAutograd    | captured into a CUDA graph    |
-| ``inductor`` | the Dynamo graph (writes are a mutating custom  | ``compile_fx``: functionalized,|
-|              | op Inductor re-inplaces), Inductor cost model   | reinplaced, lowered           |
+| ``inductor`` | Inductor's post-grad graph (``AuxCapturePass``, | lowered by Inductor           |
+|              | chained after any post-grad pass already set)   |                               |
 | a callable   | the Dynamo graph, custom-op writes              | the callable                  |
+
+Under Inductor the pass runs where Inductor's own graph is final (functionalized, CSE'd),
+so its cost model sees which captures Inductor would really copy into the concat.
 
 ``options={"rewrite": False}`` compiles exactly the same way with the pass off.
 """
@@ -104,15 +107,25 @@ class AuxCaptureBackend:
         if self.inner in ("aot_eager", "cudagraphs"):
             return self._compile_aot(gm, example_inputs)
         if self.inner == "inductor":
-            from torch._inductor import list_mode_options
-            from torch._inductor.compile_fx import compile_fx
-
-            self._rewrite(gm, "dynamo_inductor")
-            mode_options = list_mode_options(self.mode) if self.mode not in (None, "default") else {}
-            patches = {**mode_options, **self.inductor_options}
-            return compile_fx(gm, example_inputs, config_patches=patches)
+            return self._compile_inductor(gm, example_inputs)
         self._rewrite(gm, "dynamo_functional")
         return self.inner(gm, example_inputs)
+
+    def _compile_inductor(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> CompiledFn:
+        import torch._inductor.config as inductor_config
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        from compile_pass.inductor_pass import AuxCapturePass, chain_post_grad_passes
+
+        patches = dict(list_mode_options(self.mode)) if self.mode not in (None, "default") else {}
+        patches.update(self.inductor_options)
+        if self.rewrite:
+            capture_pass = AuxCapturePass(cost_model=self.cost_model, results=self.results)
+            existing = patches.get("post_grad_custom_post_pass",
+                                   inductor_config.post_grad_custom_post_pass)
+            patches["post_grad_custom_post_pass"] = chain_post_grad_passes(existing, capture_pass)
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _compile_aot(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> CompiledFn:
         from functorch.compile import make_boxed_func, min_cut_rematerialization_partition

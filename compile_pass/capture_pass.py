@@ -51,15 +51,16 @@ class Target:
     runs_as_is: bool
     inductor_cost: bool
     autograd_free: bool = False  # the graph runs with autograd already handled (AOT, post-grad)
+    hoist: bool = False  # functional graph a scheduler reordered: move producers up (plan.py)
 
 
 TARGETS: Dict[str, Target] = {
     "dynamo": Target("dynamo", runs_as_is=True, inductor_cost=False),  # eager inner
     "aot": Target("aot", runs_as_is=True, inductor_cost=False, autograd_free=True),  # aot_eager / cudagraphs inners
-    "dynamo_inductor": Target("dynamo_inductor", runs_as_is=False, inductor_cost=True),
     "dynamo_functional": Target("dynamo_functional", runs_as_is=False, inductor_cost=False),
     # Inductor's post-grad graph (AuxCapturePass): functional, lowered by Inductor next
-    "post_grad": Target("post_grad", runs_as_is=False, inductor_cost=True, autograd_free=True),
+    "post_grad": Target("post_grad", runs_as_is=False, inductor_cost=True, autograd_free=True,
+                        hoist=True),
 }
 
 
@@ -83,12 +84,15 @@ class PassResult:
 
 
 def _inductor_computed_into(graph: fx.Graph) -> Dict[fx.Node, fx.Node]:
+    """Concat inputs Inductor computes straight into the concat's output: pointwise and mm
+    producers whose only reader is the concat (another reader fixes their layout first,
+    and the concat then copies them)."""
     fused: Dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
         if is_cat(node) and node.args and isinstance(node.args[0], (list, tuple)):
             for arg in node.args[0]:
-                if isinstance(arg, fx.Node) and arg not in fused and \
-                        classify_producer(arg) in _INDUCTOR_COMPUTES_INTO_CAT:
+                if isinstance(arg, fx.Node) and arg not in fused and set(arg.users) == {node} \
+                        and classify_producer(arg) in _INDUCTOR_COMPUTES_INTO_CAT:
                     fused[arg] = node
     return fused
 
@@ -139,7 +143,7 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
                      "formula here; under autograd use inner aot_eager or inductor (rewritten "
                      "after AOTAutograd), or capture under torch.no_grad()")
         return False
-    plan_group(group, state.facts, target.runs_as_is)
+    plan_group(group, state.facts, target.runs_as_is, hoist=target.hoist)
     if group.decision is Decision.REJECT:
         return False
     # under Inductor's cost model the rewritten group's producers are no longer fused into
@@ -149,7 +153,8 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
     before, after = state.peak, planned_peak(after_model, group)
     group.estimated_peak_before, group.estimated_peak_after = before, after
     if after >= before and cost_model:
-        fused = [c for c in group.captures if c.producer in _INDUCTOR_COMPUTES_INTO_CAT]
+        fused = [c for c in group.captures if c.producer in _INDUCTOR_COMPUTES_INTO_CAT
+                 and set(c.node.users) == {group.cat}]
         why = f"estimated peak would not drop ({_mib(before)} -> {_mib(after)})"
         if target.inductor_cost and fused:
             why += (f"; Inductor already computes {len(fused)} of {group.k} captures straight "

@@ -159,27 +159,26 @@ def _group_for(cat: fx.Node) -> Optional[CaptureGroup]:
 _LAYER_BOUNDARIES = {Producer.MATMUL, Producer.BATCHED_MATMUL, Producer.CUSTOM_OP}
 
 
-def _layer_boundary_counts(order: List[fx.Node]) -> List[int]:
-    """``counts[i]``: matmuls and opaque ops among ``order[:i]`` (prefix sums)."""
-    counts = [0]
+def _layer_depths(order: List[fx.Node]) -> dict:
+    """Per node: the longest chain of matmuls and opaque ops it depends on (its "layer")."""
+    depth: dict = {}
     for n in order:
+        base = max((depth.get(a, 0) for a in n.all_input_nodes), default=0)
         boundary = n.op == "call_function" and classify_producer(n) in _LAYER_BOUNDARIES
-        counts.append(counts[-1] + boundary)
-    return counts
+        depth[n] = base + boundary
+    return depth
 
 
-def _spans_layers(group: CaptureGroup, position: dict, boundaries: List[int]) -> bool:
-    """True if a matmul or an opaque op runs between the first and the last capture.
+def _spans_layers(group: CaptureGroup, depth: dict) -> bool:
+    """True if the captures depend on different numbers of matmuls/opaque ops.
 
-    This is the dataflow sense of "captured across layers": a concat whose inputs are all
-    computed inside one block (RoPE's rotate-half, MLA's nope/rope join) is not a capture
-    group and stays with the compiler.
+    This is the dataflow sense of "captured across layers", independent of node order: a
+    concat whose inputs all come out of one block (RoPE's rotate-half, MLA's nope/rope
+    join) has inputs at one depth, is not a capture group and stays with the compiler.
     """
-    produced = [position[c.node] for c in group.captures if c.node.op not in ("placeholder", "get_attr")]
-    if len(produced) < 2:
-        return True
-    first, last = min(produced), max(produced)
-    return boundaries[last] - boundaries[first + 1] > 0
+    depths = {depth[c.node] for c in group.captures if c.node.op not in ("placeholder", "get_attr")}
+    return len(depths) > 1 or len(group.captures) - sum(
+        c.node.op not in ("placeholder", "get_attr") for c in group.captures) > 0
 
 
 def find_capture_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureGroup]:
@@ -191,18 +190,18 @@ def find_capture_groups(graph_module: fx.GraphModule | fx.Graph) -> List[Capture
     graph = graph_module.graph if isinstance(graph_module, fx.GraphModule) else graph_module
     groups = []
     order = list(graph.nodes)
-    position = {n: i for i, n in enumerate(order)}
-    boundaries: Optional[List[int]] = None
+    depth: Optional[dict] = None
     for node in order:
         if is_cat(node):
             group = _group_for(node)
             if group is None:
                 continue
-            if group.decision is Decision.FOUND and boundaries is None:
-                boundaries = _layer_boundary_counts(order)
-            if group.decision is Decision.FOUND and not _spans_layers(group, position, boundaries):
-                group.reject("all captures are produced inside one block (no matmul or opaque "
-                             "op between them): not a cross-layer capture, left to the compiler")
+            if group.decision is Decision.FOUND and depth is None:
+                depth = _layer_depths(order)
+            if group.decision is Decision.FOUND and not _spans_layers(group, depth):
+                group.reject("all captures come out of one block (each depends on the same "
+                             "number of matmuls and opaque ops): not a cross-layer capture, left "
+                             "to the compiler")
             groups.append(group)
     return groups
 

@@ -58,6 +58,7 @@ class Capture:
     producer: Producer
     source: str  # user source line of the producer, from node metadata
     write_after: Optional[fx.Node] = None  # planned: the write goes right after this node
+    hoist_after: Optional[fx.Node] = None  # planned: the producer first moves right after this
     strategy: Optional[Strategy] = None
     note: str = ""  # why this strategy (e.g. "mutated in place at add_ (line 40)")
 
@@ -70,6 +71,7 @@ class Capture:
             "producer": self.producer.value,
             "source": self.source,
             "write_after": self.write_after.name if self.write_after is not None else None,
+            "hoist_after": self.hoist_after.name if self.hoist_after is not None else None,
             "strategy": self.strategy.value if self.strategy is not None else None,
             "note": self.note,
         }
@@ -131,6 +133,7 @@ class CaptureGroup:
                 c,
                 node=node_map[c.node],
                 write_after=node_map[c.write_after] if c.write_after is not None else None,
+                hoist_after=node_map[c.hoist_after] if c.hoist_after is not None else None,
             )
             for c in self.captures
         ]

@@ -15,7 +15,7 @@ cache misses whenever either changes and hits otherwise.
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -35,11 +35,12 @@ def _source_files() -> tuple:
 class AuxCapturePass(CustomGraphPass):
     """Inductor post-grad pass rewriting aux-hidden-state concats into packed buffers."""
 
-    def __init__(self, cost_model: bool = True) -> None:
+    def __init__(self, cost_model: bool = True, results: Optional[List[PassResult]] = None) -> None:
         if not isinstance(cost_model, bool):
             raise TypeError(f"cost_model must be a bool, got {cost_model!r}")
         self.cost_model = cost_model
-        self.results: List[PassResult] = []
+        #: one PassResult per graph the pass ran on (shared with the backend that made it)
+        self.results: List[PassResult] = results if results is not None else []
 
     def __call__(self, graph: fx.Graph) -> None:
         gm: Optional[fx.GraphModule] = graph.owning_module
@@ -52,3 +53,29 @@ class AuxCapturePass(CustomGraphPass):
 
     def __repr__(self) -> str:
         return f"AuxCapturePass(cost_model={self.cost_model})"
+
+
+class _ChainedPass(CustomGraphPass):
+    """Two post-grad passes run in order; its uuid covers both."""
+
+    def __init__(self, first: CustomGraphPass, second: CustomGraphPass) -> None:
+        self.first, self.second = first, second
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.first(graph)
+        self.second(graph)
+
+    def uuid(self) -> Optional[Any]:
+        first = self.first.uuid() if hasattr(self.first, "uuid") else None
+        second = self.second.uuid()
+        if first is None:
+            return None  # an uncacheable first pass keeps the chain uncacheable
+        return f"{first!r}+{second!r}"
+
+
+def chain_post_grad_passes(existing: Optional[Callable[[fx.Graph], None]],
+                           capture_pass: AuxCapturePass) -> CustomGraphPass:
+    """``capture_pass`` after a post-grad pass the user already configured (if any)."""
+    if existing is None:
+        return capture_pass
+    return _ChainedPass(existing, capture_pass)

@@ -12,6 +12,11 @@ Strategies (``Strategy``):
 - ELIDE_CLONE: ``clone(x)`` whose only reader is the concat: ``x`` is copied into the
   slice at the clone's position; the clone disappears.
 - COPY: ``write_slice_`` right after the write point.
+
+Hoisting (functional graphs only, ``hoist=True``): a scheduler may have moved a producer
+next to the concat (Inductor's locality reordering does), which keeps the producer's
+inputs alive until then. A functional producer is moved right after its last input, so
+the capture is written as soon as its value can exist.
 """
 
 from __future__ import annotations
@@ -61,8 +66,19 @@ def _only_reader_is(node: fx.Node, reader: fx.Node) -> bool:
     return set(node.users) == {reader}
 
 
+def _hoist_point(node: fx.Node, facts: GraphFacts) -> Optional[fx.Node]:
+    """The node a functional producer can move right after (its last input), if earlier."""
+    if node.op != "call_function":
+        return None
+    inputs = node.all_input_nodes
+    latest = max(inputs, key=lambda n: facts.position[n]) if inputs else None
+    if latest is None or facts.position[latest] >= facts.position[node] - 1:
+        return None
+    return latest
+
+
 def _plan_capture(capture: Capture, group: CaptureGroup, facts: GraphFacts, runs_as_is: bool,
-                  seen: Set[fx.Node], cat_mutated: bool) -> None:
+                  seen: Set[fx.Node], cat_mutated: bool, hoist: bool) -> None:
     node, cat = capture.node, group.cat
     produced_at = facts.position[node] if node.op not in ("placeholder", "get_attr") else -1
     mutation = facts.last_mutation(node, produced_at, facts.position[cat])
@@ -79,9 +95,13 @@ def _plan_capture(capture: Capture, group: CaptureGroup, facts: GraphFacts, runs
         capture.strategy, capture.write_after = Strategy.COPY, None
         capture.note = "graph input: written together with the first capture"
         return
+    if hoist and not duplicate:
+        capture.hoist_after = _hoist_point(node, facts)
+    hoisted = (f"; moved up right after {capture.hoist_after.name}, its last input"
+               if capture.hoist_after is not None else "")
     if capture.producer is Producer.CLONE and not duplicate and _only_reader_is(node, cat):
         capture.strategy, capture.write_after = Strategy.ELIDE_CLONE, node
-        capture.note = "clone read only by the concat: the write into the buffer is the copy"
+        capture.note = "clone read only by the concat: the write into the buffer is the copy" + hoisted
         return
     if (runs_as_is and capture.producer is Producer.EXACT_ARITHMETIC and not duplicate
             and not cat_mutated and exact_out_variant(node) is not None):
@@ -89,10 +109,11 @@ def _plan_capture(capture: Capture, group: CaptureGroup, facts: GraphFacts, runs
         capture.note = "computed straight into its slice by the out= variant"
         return
     capture.strategy, capture.write_after = Strategy.COPY, node
-    capture.note = "copied into its slice right after it is produced"
+    capture.note = "copied into its slice right after it is produced" + hoisted
 
 
-def plan_group(group: CaptureGroup, facts: GraphFacts, runs_as_is: bool) -> CaptureGroup:
+def plan_group(group: CaptureGroup, facts: GraphFacts, runs_as_is: bool,
+               hoist: bool = False) -> CaptureGroup:
     """Give each capture of a FOUND group its strategy and write point (in place)."""
     if group.decision is not Decision.FOUND:
         return group
@@ -100,7 +121,7 @@ def plan_group(group: CaptureGroup, facts: GraphFacts, runs_as_is: bool) -> Capt
     cat_mutated = facts.last_mutation(group.cat, cat_position, len(facts.nodes)) is not None
     seen: Set[fx.Node] = set()
     for capture in group.captures:
-        _plan_capture(capture, group, facts, runs_as_is, seen, cat_mutated)
+        _plan_capture(capture, group, facts, runs_as_is and not hoist, seen, cat_mutated, hoist)
     writes = [c for c in group.captures if c.write_after is not None]
     if not writes:
         return group.reject("every capture is a graph input: the concat is already the only copy")

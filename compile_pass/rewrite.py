@@ -99,6 +99,9 @@ def _insertion(capture: Capture) -> Tuple[fx.Node, bool]:
 
 def rewrite_group(graph: fx.Graph, group: CaptureGroup) -> fx.Node:
     """Apply a planned group to ``graph`` in place; return the packed buffer node."""
+    for capture in group.captures:
+        if capture.hoist_after is not None:
+            capture.hoist_after.append(capture.node)
     order = list(graph.nodes)
     position = {n: i for i, n in enumerate(order)}
     emit = _Emitter(graph, group.cat)
