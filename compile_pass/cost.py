@@ -61,6 +61,8 @@ def planned_changes(model: LivenessModel, group: CaptureGroup) -> Dict[Hashable,
         key = keys[0] if keys else None
         if key is None or key not in model.intervals or key == cat_key:
             continue  # graph inputs and parameters: live anyway
+        if key in changes and changes[key] is None:
+            continue  # a duplicate of a capture that already became the buffer's slice
         if capture.strategy in (Strategy.COMPUTE_INTO, Strategy.ELIDE_CLONE):
             buffer_last = max(buffer_last, model.last_read(key, ignore=group.cat))
             changes[key] = None

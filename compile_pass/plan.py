@@ -8,7 +8,9 @@ between its producer and the concat; then right after the last such mutation.
 Strategies (``Strategy``):
 - COMPUTE_INTO: correctly rounded arithmetic (add/sub/mul/div of two tensors of the
   capture's dtype) is recomputed by its ``out=`` variant straight into the slice: no
-  temporary. Only for graphs that run as is (an ``out=`` write would be functionalized).
+  temporary. Only for graphs that run as is (an ``out=`` write would be functionalized),
+  and only where the capture may become a slice of the buffer for good: written in place
+  by nothing, not a graph output, the concat's result not mutated either.
 - ELIDE_CLONE: ``clone(x)`` whose only reader is the concat: ``x`` is copied into the
   slice at the clone's position; the clone disappears.
 - COPY: ``write_slice_`` right after the write point.
@@ -62,6 +64,15 @@ class GraphFacts:
         return last
 
 
+def _may_become_a_slice(node: fx.Node, facts: GraphFacts) -> bool:
+    """True if ``node``'s value can live in the packed buffer for the rest of the graph:
+    nothing writes it in place after it is produced and it is not itself a graph output
+    (either would make the capture and the packed result share bytes they did not share)."""
+    if facts.last_mutation(node, facts.position[node], len(facts.nodes)) is not None:
+        return False
+    return not any(user.op == "output" for alias in facts.alias_set(node) for user in alias.users)
+
+
 def _only_reader_is(node: fx.Node, reader: fx.Node) -> bool:
     return set(node.users) == {reader}
 
@@ -78,12 +89,13 @@ def _hoist_point(node: fx.Node, facts: GraphFacts) -> Optional[fx.Node]:
 
 
 def _plan_capture(capture: Capture, group: CaptureGroup, facts: GraphFacts, runs_as_is: bool,
-                  seen: Set[fx.Node], cat_mutated: bool, hoist: bool) -> None:
+                  repeated: Set[fx.Node], seen: Set[fx.Node], cat_mutated: bool, hoist: bool) -> None:
     node, cat = capture.node, group.cat
     produced_at = facts.position[node] if node.op not in ("placeholder", "get_attr") else -1
     mutation = facts.last_mutation(node, produced_at, facts.position[cat])
-    duplicate = node in seen
+    first_occurrence = node not in seen
     seen.add(node)
+    duplicate = node in repeated  # concatenated more than once: plain copies only
     if mutation is not None:
         capture.strategy, capture.write_after = Strategy.COPY, mutation
         capture.note = f"mutated in place after it is produced; written after {mutation.name}"
@@ -95,7 +107,7 @@ def _plan_capture(capture: Capture, group: CaptureGroup, facts: GraphFacts, runs
         capture.strategy, capture.write_after = Strategy.COPY, None
         capture.note = "graph input: written together with the first capture"
         return
-    if hoist and not duplicate:
+    if hoist and first_occurrence:
         capture.hoist_after = _hoist_point(node, facts)
     hoisted = (f"; moved up right after {capture.hoist_after.name}, its last input"
                if capture.hoist_after is not None else "")
@@ -104,7 +116,8 @@ def _plan_capture(capture: Capture, group: CaptureGroup, facts: GraphFacts, runs
         capture.note = "clone read only by the concat: the write into the buffer is the copy" + hoisted
         return
     if (runs_as_is and capture.producer is Producer.EXACT_ARITHMETIC and not duplicate
-            and not cat_mutated and exact_out_variant(node) is not None):
+            and not cat_mutated and exact_out_variant(node) is not None
+            and _may_become_a_slice(node, facts)):
         capture.strategy, capture.write_after = Strategy.COMPUTE_INTO, node
         capture.note = "computed straight into its slice by the out= variant"
         return
@@ -120,8 +133,11 @@ def plan_group(group: CaptureGroup, facts: GraphFacts, runs_as_is: bool,
     cat_position = facts.position[group.cat]
     cat_mutated = facts.last_mutation(group.cat, cat_position, len(facts.nodes)) is not None
     seen: Set[fx.Node] = set()
+    nodes = [c.node for c in group.captures]
+    repeated = {n for n in nodes if nodes.count(n) > 1}
     for capture in group.captures:
-        _plan_capture(capture, group, facts, runs_as_is and not hoist, seen, cat_mutated, hoist)
+        _plan_capture(capture, group, facts, runs_as_is and not hoist, repeated, seen, cat_mutated,
+                      hoist)
     writes = [c for c in group.captures if c.write_after is not None]
     if not writes:
         return group.reject("every capture is a graph input: the concat is already the only copy")

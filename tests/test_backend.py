@@ -1,0 +1,839 @@
+"""The ``aux_capture`` torch.compile backend: entry point, inners, options, counters,
+dynamic shapes, Inductor, the Inductor post-grad pass and the FX graph cache, failure
+containment, and mutation semantics of the rewrite.
+
+Budget: everything but the ``inductor``-marked tests runs the eager/aot_eager inners. The
+Inductor tests compile the tiny Llama (fused_norm) three times (one module-scoped
+reference shared by two tests) plus a few compiles of tiny hand-written functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sys
+from typing import List, Tuple
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import compile_pass  # noqa: E402
+import compile_pass.capture_pass as capture_pass  # noqa: E402
+import models.dflash  # noqa: E402
+import models.llama  # noqa: E402
+from compile_pass import (  # noqa: E402
+    AuxCaptureBackend,
+    AuxCapturePass,
+    Decision,
+    PassResult,
+    Producer,
+    Strategy,
+    aux_capture_backend,
+)
+from compile_pass.backend import INNERS, MODES, aux_capture, backend_from_options  # noqa: E402
+
+WRITE_OP = "torch.ops.compile_pass.write_slice_.default("
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every test starts from a clean Dynamo cache and clean counters, without autograd."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        yield
+    torch._dynamo.reset()
+
+
+def _tiny(tokens: int = 32, **overrides):
+    return models.llama.tiny(capture_mode="list", tokens=tokens, **overrides)
+
+
+def _assert_bitwise(out, ref) -> None:
+    assert isinstance(out, tuple) and len(out) == len(ref)
+    for i, (a, b) in enumerate(zip(out, ref)):
+        assert a.shape == b.shape and a.dtype == b.dtype, f"output {i}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+        assert torch.equal(a, b), f"output {i} differs (max abs diff {(a - b).abs().max().item()})"
+
+
+def _aux_group(result: PassResult, k: int):
+    """The capture group of the model's K-way aux concat (RoPE's concats have k == 2)."""
+    groups = [g for g in result.groups if g.k == k]
+    assert len(groups) == 1, [(g.cat.name, g.k) for g in result.groups]
+    return groups[0]
+
+
+def _num_writes(code: str) -> int:
+    """Writes into the packed buffer: write_slice_ calls plus out= recomputations."""
+    return code.count(WRITE_OP) + len(re.findall(r"\.out\(", code))
+
+
+def _decisions(results: List[PassResult]) -> Tuple[int, int, int]:
+    groups = [g for r in results for g in r.groups]
+    return (len(groups), sum(g.decision is Decision.REWRITE for g in groups),
+            sum(g.decision is Decision.REJECT for g in groups))
+
+
+def _tiny_fn(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) + 1
+
+
+# --------------------------------------------------------------------------- 1. entry point and callables
+
+
+def test_entry_point_registers_the_backend():
+    assert "aux_capture" in torch._dynamo.list_backends(exclude_tags=())
+    assert torch._dynamo.lookup_backend("aux_capture") is aux_capture
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_by_name_bitwise_equal_to_eager(inner):
+    model, inputs = _tiny()
+    ref = model(*inputs)
+    compiled = torch.compile(model, backend="aux_capture", options={"inner": inner}, fullgraph=True)
+    _assert_bitwise(compiled(*inputs), ref)
+    _assert_bitwise(compiled(*inputs), ref)  # second call: the cached compiled graph
+    assert counters["aux_capture"]["groups_found"] >= 1
+    assert counters["aux_capture"]["pass_errors"] == 0
+
+
+def test_callable_backend_bitwise_equal_to_eager():
+    model, inputs = _tiny()
+    ref = model(*inputs)
+    backend = compile_pass.aux_capture_backend(inner="eager")
+    assert isinstance(backend, AuxCaptureBackend)
+    _assert_bitwise(torch.compile(model, backend=backend, fullgraph=True)(*inputs), ref)
+    assert len(backend.results) == 1 and backend.results[0].target == "dynamo"
+
+
+# --------------------------------------------------------------------------- 2. what the rewrite does
+
+
+def test_forced_rewrite_on_dynamo_graph_eager_inner():
+    model, inputs = _tiny()
+    k = model.num_captures
+    ref = model(*inputs)
+    backend = AuxCaptureBackend(inner="eager", cost_model=False)
+    _assert_bitwise(torch.compile(model, backend=backend, fullgraph=True)(*inputs), ref)
+
+    assert len(backend.results) == 1
+    result = backend.results[0]
+    assert result.error is None and result.target == "dynamo" and result.changed
+    group = _aux_group(result, k)
+    assert group.decision is Decision.REWRITE
+    assert "rewritten because the cost model is off" in group.reason
+    assert group.placement == "dynamo"
+    assert group.widths == (model.config.hidden_size,) * k
+    assert [c.offset for c in group.captures] == [i * model.config.hidden_size for i in range(k)]
+    # the "add" capture producer is correctly rounded arithmetic: computed into its slice
+    assert all(c.producer is Producer.EXACT_ARITHMETIC for c in group.captures)
+    assert all(c.strategy is Strategy.COMPUTE_INTO for c in group.captures)
+
+    before, after = result.code_before, result.code_after
+    assert "aux_packed" not in before and "aux_packed" in after
+    assert WRITE_OP in after or ".out(" in after
+    assert before.count("torch.cat(") - after.count("torch.cat(") == 1  # only the K-way cat went
+    assert after.count("torch.cat(") >= 1  # RoPE's rotate-half cats stay
+    assert _num_writes(before) == 0 and _num_writes(after) == k
+    assert re.search(r"return \(\w+, aux_packed\)", after), after.splitlines()[-2:]
+    assert result.counts == {"groups_found": len(result.groups), "groups_rewritten": 1,
+                             "groups_rejected": len(result.groups) - 1}
+
+
+def test_forced_rewrite_on_aot_graph_aot_eager_inner():
+    model, inputs = _tiny()
+    k = model.num_captures
+    ref = model(*inputs)
+    backend = AuxCaptureBackend(inner="aot_eager", cost_model=False)
+    _assert_bitwise(torch.compile(model, backend=backend, fullgraph=True)(*inputs), ref)
+
+    assert len(backend.results) == 1
+    result = backend.results[0]
+    assert result.error is None and result.target == "aot"
+    assert _aux_group(result, k).decision is Decision.REWRITE
+    before, after = result.code_before, result.code_after
+    assert "torch.cat(" not in before  # aten IR
+    assert before.count("aten.cat.default(") - after.count("aten.cat.default(") == 1
+    assert "aux_packed" in after
+    assert _num_writes(after) == k
+
+
+def test_cost_model_keeps_tiny_graph_unchanged():
+    model, inputs = _tiny()
+    ref = model(*inputs)
+    backend = AuxCaptureBackend(inner="eager")
+    _assert_bitwise(torch.compile(model, backend=backend)(*inputs), ref)
+    result = backend.results[0]
+    group = _aux_group(result, model.num_captures)
+    assert group.decision is Decision.REJECT
+    assert group.reason.startswith("estimated peak would not drop")
+    assert group.estimated_peak_after >= group.estimated_peak_before
+    assert not result.changed and result.code_after == result.code_before
+
+
+def test_cost_model_rewrites_capture_dominated_dflash():
+    model, inputs = models.dflash.capture_dominated(capture_mode="list", tokens=1024)
+    k = model.num_captures
+    assert k == 8
+    ref = model(*inputs)
+    backend = AuxCaptureBackend(inner="eager")  # cost model on
+    _assert_bitwise(torch.compile(model, backend=backend)(*inputs), ref)
+    group = _aux_group(backend.results[0], k)
+    assert group.decision is Decision.REWRITE, group.reason
+    assert group.estimated_peak_after < group.estimated_peak_before
+    assert re.match(r"estimated peak .* -> .* \(-\d+%\)$", group.reason), group.reason
+    assert _num_writes(backend.results[0].code_after) == k
+    assert counters["aux_capture"]["groups_rewritten"] == 1
+
+
+# --------------------------------------------------------------------------- 3. rewrite=False and counters
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_rewrite_false_records_nothing(inner):
+    model, inputs = _tiny()
+    ref = model(*inputs)
+    backend = AuxCaptureBackend(inner=inner, rewrite=False, cost_model=False)
+    _assert_bitwise(torch.compile(model, backend=backend)(*inputs), ref)
+    assert backend.results == []
+    assert sum(counters["aux_capture"].values()) == 0
+
+
+def test_rewrite_false_by_name():
+    model, inputs = _tiny()
+    ref = model(*inputs)
+    compiled = torch.compile(model, backend="aux_capture", options={"inner": "eager", "rewrite": False})
+    _assert_bitwise(compiled(*inputs), ref)
+    assert sum(counters["aux_capture"].values()) == 0
+
+
+@pytest.mark.parametrize("cost_model", [True, False], ids=["cost_model", "forced"])
+def test_counters_match_pass_decisions(cost_model):
+    model, inputs = _tiny()
+    backend = AuxCaptureBackend(inner="eager", cost_model=cost_model)
+    torch.compile(model, backend=backend)(*inputs)
+    found, rewritten, rejected = _decisions(backend.results)
+    c = counters["aux_capture"]
+    assert c["groups_found"] >= 1
+    assert (c["groups_found"], c["groups_rewritten"], c["groups_rejected"]) == (found, rewritten, rejected)
+    assert found == rewritten + rejected  # no group left undecided
+    assert rewritten == (0 if cost_model else 1)
+    assert c["pass_errors"] == 0
+    # counters accumulate over compiles
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(*inputs)
+    assert counters["aux_capture"]["groups_found"] == 2 * found
+    assert counters["aux_capture"]["groups_rewritten"] == 2 * rewritten
+
+
+# --------------------------------------------------------------------------- 4. dynamic shapes
+
+
+def test_dynamic_true_one_compile_for_two_token_counts():
+    model, inputs16 = _tiny(tokens=16)
+    inputs40 = models.llama.example_inputs(model.config, 40, seed=1)
+    k, hidden = model.num_captures, model.config.hidden_size
+    backend = AuxCaptureBackend(inner="eager", cost_model=False)
+    compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
+    for inputs in (inputs16, inputs40):
+        out = compiled(*inputs)
+        _assert_bitwise(out, model(*inputs))
+        assert out[1].shape == (inputs[0].shape[0], k * hidden)
+    assert len(backend.results) == 1
+    assert counters["stats"]["unique_graphs"] == 1
+    assert _aux_group(backend.results[0], k).decision is Decision.REWRITE
+    (alloc,) = [ln for ln in backend.results[0].code_after.splitlines() if "aux_packed = " in ln]
+    assert "[16," not in alloc and f", {k * hidden}]" in alloc  # symbolic token dim
+
+
+def test_mark_dynamic_with_dynamic_none():
+    model, inputs16 = _tiny(tokens=16)
+    inputs40 = models.llama.example_inputs(model.config, 40, seed=1)
+    ids, pos = (t.clone() for t in inputs16)
+    # positions index the RoPE cache and meet input_ids' rows, so both carry the token dim
+    torch._dynamo.mark_dynamic(ids, 0)
+    torch._dynamo.mark_dynamic(pos, 0)
+    backend = AuxCaptureBackend(inner="aot_eager", cost_model=False)
+    compiled = torch.compile(model, backend=backend, dynamic=None)
+    _assert_bitwise(compiled(ids, pos), model(*inputs16))
+    out40 = compiled(*inputs40)
+    _assert_bitwise(out40, model(*inputs40))
+    assert out40[1].shape == (40, model.num_captures * model.config.hidden_size)
+    assert len(backend.results) == 1
+    assert _aux_group(backend.results[0], model.num_captures).decision is Decision.REWRITE
+
+
+# --------------------------------------------------------------------------- 5. option errors
+
+OPTION_ERRORS = [
+    ({"innr": "eager"}, ValueError, r"unknown option\(s\) \['innr'\] for aux_capture"),
+    ({"inner": "tvm"}, ValueError, r"unknown inner compiler 'tvm' for aux_capture"),
+    ({"inner": 3}, TypeError, r"inner must be a name or a callable, got int"),
+    ({"inner": "eager", "rewrite": "yes"}, TypeError, r"option 'rewrite' must be a bool, got 'yes'"),
+    ({"inner": "eager", "cost_model": 1}, TypeError, r"option 'cost_model' must be a bool, got 1"),
+    ({"inner": "eager", "max_autotune": True}, ValueError,
+     r"Inductor options \['max_autotune'\] apply to the inductor inner only, not to inner=eager"),
+    ({"inner": "aot_eager", "max_autotune": True}, ValueError, r"not to inner=aot_eager"),
+]
+
+
+@pytest.mark.parametrize("options,exc,match", OPTION_ERRORS,
+                         ids=["unknown-key", "unknown-inner", "inner-int", "rewrite-str",
+                              "cost-model-int", "inductor-opt-eager", "inductor-opt-aot"])
+def test_backend_from_options_errors(options, exc, match):
+    with pytest.raises(exc, match=match):
+        backend_from_options(None, options)
+
+
+@pytest.mark.parametrize("mode,options,exc,match", [
+    ("fast", None, ValueError, r"unknown mode 'fast' for aux_capture"),
+    ("fast", {"inner": "eager"}, ValueError, r"unknown mode 'fast'"),
+    ("reduce-overhead", {"inner": "eager"}, ValueError,
+     r"mode='reduce-overhead' applies to the inductor inner only, not to inner=eager"),
+    ("max-autotune", {"inner": "aot_eager"}, ValueError, r"mode='max-autotune' applies to the inductor inner only"),
+    (None, [("inner", "eager")], TypeError, r"options must be a dict, got list"),
+    (None, "eager", TypeError, r"options must be a dict, got str"),
+], ids=["unknown-mode", "unknown-mode-eager", "reduce-overhead-eager", "max-autotune-aot", "options-list",
+        "options-str"])
+def test_mode_and_options_type_errors(mode, options, exc, match):
+    with pytest.raises(exc, match=match):
+        backend_from_options(mode, options)
+
+
+def test_direct_constructor_errors():
+    with pytest.raises(TypeError, match="inner must be a name or a callable, got NoneType"):
+        AuxCaptureBackend(inner=None)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['not_a_config'\]"):
+        aux_capture_backend(not_a_config=1)
+    with pytest.raises(TypeError, match="option 'rewrite' must be a bool"):
+        aux_capture_backend("eager", rewrite=1)
+    # a callable inner takes no mode or Inductor options either
+    with pytest.raises(ValueError, match="not to inner=_tiny_fn"):
+        aux_capture_backend(_tiny_fn, mode="max-autotune")
+
+
+def test_valid_modes_and_options_construct():
+    for mode in MODES:
+        assert AuxCaptureBackend(mode=mode).mode == mode
+    for inner in INNERS:
+        backend = backend_from_options(None, {"inner": inner, "rewrite": False, "cost_model": False})
+        assert (backend.inner, backend.rewrite, backend.cost_model) == (inner, False, False)
+    backend = backend_from_options("max-autotune-no-cudagraphs", {"epilogue_fusion": False})
+    assert backend.inner == "inductor" and backend.inductor_options == {"epilogue_fusion": False}
+    assert backend_from_options("default", {"inner": "eager"}).mode == "default"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(options={"innr": "eager"}), r"unknown option\(s\) \['innr'\]"),
+    (dict(options={"inner": "tvm"}), r"unknown inner compiler 'tvm'"),
+    (dict(mode="fast"), r"unknown mode 'fast'"),
+], ids=["unknown-key", "unknown-inner", "unknown-mode"])
+def test_option_errors_through_torch_compile(kwargs, match):
+    compiled = torch.compile(_tiny_fn, backend="aux_capture", **kwargs)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=match):
+        compiled(torch.randn(4))
+
+
+def test_mode_and_inductor_options_reach_compile_fx(monkeypatch):
+    """The patches handed to compile_fx (spied: no Inductor compile happens)."""
+    import torch._inductor.compile_fx
+    import torch._inductor.config as inductor_config
+    import torch._inductor.custom_graph_pass
+    from torch._inductor import list_mode_options
+
+    seen = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None):
+        seen.append(dict(config_patches))
+        return gm.forward
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", fake_compile_fx)
+    x = torch.randn(4)
+    mode_options = list_mode_options("max-autotune-no-cudagraphs")
+    assert mode_options["max_autotune"] is True
+
+    def compile_and_pop_pass(backend, **kwargs):
+        torch._dynamo.reset()
+        out = torch.compile(_tiny_fn, backend=backend, **kwargs)(x)
+        assert torch.equal(out, _tiny_fn(x))
+        return seen[-1].pop("post_grad_custom_post_pass", None)
+
+    capture = compile_and_pop_pass("aux_capture", mode="max-autotune-no-cudagraphs")
+    assert seen[-1] == mode_options and not seen[-1].get("triton.cudagraphs", False)
+    assert isinstance(capture, AuxCapturePass) and capture.cost_model is True
+
+    backend = aux_capture_backend(mode="max-autotune-no-cudagraphs", cost_model=False, epilogue_fusion=False)
+    capture = compile_and_pop_pass(backend)
+    assert seen[-1] == {**mode_options, "epilogue_fusion": False}
+    assert isinstance(capture, AuxCapturePass) and capture.cost_model is False
+    assert capture.results is backend.results  # the backend sees what the post-grad pass did
+
+    assert compile_and_pop_pass("aux_capture") is not None and seen[-1] == {}  # default: no patches
+    # rewrite=False: Inductor exactly as without the backend
+    assert compile_and_pop_pass("aux_capture", options={"rewrite": False}) is None and seen[-1] == {}
+
+    # a post-grad pass the user already set runs first, then the capture pass
+    calls = []
+
+    class UserPass(torch._inductor.custom_graph_pass.CustomGraphPass):
+        def __call__(self, graph):
+            calls.append("user")
+
+        def uuid(self):
+            return "user-pass"
+
+    with inductor_config.patch(post_grad_custom_post_pass=UserPass()):
+        chained = compile_and_pop_pass("aux_capture")
+    assert not isinstance(chained, AuxCapturePass) and chained.uuid() is not None
+    assert "user-pass" in str(chained.uuid())
+    chained(torch.fx.Graph())
+    assert calls == ["user"]
+
+
+# --------------------------------------------------------------------------- 6. Inductor
+
+
+@contextlib.contextmanager
+def _no_graph_caches():
+    """Inductor without the FX graph / AOTAutograd caches: a cache hit skips post-grad
+    passes, so the capture pass (and its results and counters) would not run at all.
+    Compiled kernels are still cached, which keeps warm reruns fast."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+@pytest.fixture(scope="module")
+def fused_inductor_ref():
+    """Tiny fused_norm Llama compiled by Inductor without the pass (the reference)."""
+    torch._dynamo.reset()
+    model, inputs = _tiny(tokens=16, capture_producer="fused_norm")
+    with torch.no_grad(), _no_graph_caches():
+        ref = torch.compile(model, backend="aux_capture", options={"rewrite": False})(*inputs)
+    torch._dynamo.reset()
+    return model, inputs, ref
+
+
+@pytest.mark.inductor
+def test_inductor_default_matches_inductor_without_pass(fused_inductor_ref):
+    model, inputs, ref = fused_inductor_ref
+    with _no_graph_caches():
+        out = torch.compile(model, backend="aux_capture")(*inputs)
+    _assert_bitwise(out, ref)
+    assert out[1].shape == (16, model.num_captures * model.config.hidden_size)
+    c = counters["aux_capture"]
+    assert c["groups_found"] >= 1 and c["pass_errors"] == 0
+    assert c["groups_found"] == c["groups_rewritten"] + c["groups_rejected"]
+
+
+@pytest.mark.inductor
+def test_inductor_forced_rewrite_fused_norm(fused_inductor_ref):
+    model, inputs, ref = fused_inductor_ref
+    k = model.num_captures
+    backend = aux_capture_backend(cost_model=False)  # inner inductor
+    with _no_graph_caches():
+        out = torch.compile(model, backend=backend)(*inputs)
+    _assert_bitwise(out, ref)
+    assert len(backend.results) == 1
+    result = backend.results[0]
+    # the pass runs on Inductor's post-grad graph
+    assert result.error is None and result.target == "post_grad"
+    group = _aux_group(result, k)
+    assert group.decision is Decision.REWRITE and group.placement == "post_grad"
+    assert all(c.producer is Producer.CUSTOM_OP for c in group.captures)
+    # a graph Inductor lowers next gets custom-op writes only, never out= writes
+    assert all(c.strategy is Strategy.COPY for c in group.captures)
+    assert result.code_after.count(WRITE_OP) == k and ".out(" not in result.code_after
+
+
+@pytest.mark.inductor
+def test_inductor_max_autotune_no_cudagraphs_tiny_function():
+    def f(x, w):
+        return torch.relu(x @ w)
+
+    x, w = torch.randn(8, 8), torch.randn(8, 8)
+    out = torch.compile(f, backend="aux_capture", mode="max-autotune-no-cudagraphs")(x, w)
+    torch.testing.assert_close(out, f(x, w))
+
+
+# --------------------------------------------------------------------------- 7. AuxCapturePass
+
+
+def test_aux_capture_pass_uuid():
+    a, b, forced = AuxCapturePass(), AuxCapturePass(), AuxCapturePass(cost_model=False)
+    assert a.uuid() is not None and isinstance(a.uuid(), (bytes, str))
+    assert a.uuid() == b.uuid() == AuxCapturePass(cost_model=True).uuid()
+    assert forced.uuid() != a.uuid()
+    assert forced.uuid() == AuxCapturePass(cost_model=False).uuid()
+    assert repr(forced) == "AuxCapturePass(cost_model=False)"
+    with pytest.raises(TypeError, match="cost_model must be a bool, got 'no'"):
+        AuxCapturePass(cost_model="no")
+
+
+def _three_matmuls(x, w1, w2, w3):
+    a = x @ w1
+    h = torch.relu(a) @ w2
+    b = torch.relu(h) @ w3
+    return torch.cat([a, b], dim=-1)
+
+
+@pytest.mark.inductor
+def test_aux_capture_pass_fx_graph_cache():
+    try:
+        from torch._inductor.utils import fresh_cache
+    except ImportError:  # older torch
+        from torch._inductor.utils import fresh_inductor_cache as fresh_cache
+    import torch._inductor.config as inductor_config
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(8, 8, generator=g) for _ in range(4)]
+    expected = _three_matmuls(*args)
+
+    def compile_with(custom_pass):
+        torch._dynamo.reset()
+        before = dict(counters["inductor"])
+        with inductor_config.patch(post_grad_custom_post_pass=custom_pass, fx_graph_cache=True):
+            out = torch.compile(_three_matmuls)(*args)
+        after = counters["inductor"]
+        delta = {key: after[key] - before.get(key, 0) for key in ("fxgraph_cache_miss", "fxgraph_cache_hit")}
+        return out, delta
+
+    with fresh_cache():
+        first_pass = AuxCapturePass()
+        out1, d1 = compile_with(first_pass)
+        assert d1 == {"fxgraph_cache_miss": 1, "fxgraph_cache_hit": 0}
+        assert len(first_pass.results) == 1 and first_pass.results[0].target == "post_grad"
+        (group,) = first_pass.results[0].groups
+        assert group.decision is Decision.REJECT  # the estimate sees no drop on this graph
+        assert group.reason.startswith("estimated peak would not drop")
+
+        second_pass = AuxCapturePass()  # same options: same uuid, a cache hit
+        out2, d2 = compile_with(second_pass)
+        assert d2 == {"fxgraph_cache_miss": 0, "fxgraph_cache_hit": 1}
+        assert second_pass.results == []  # a hit does not run the pass
+
+        forced = AuxCapturePass(cost_model=False)  # other options: other key, a miss
+        out3, d3 = compile_with(forced)
+        assert d3 == {"fxgraph_cache_miss": 1, "fxgraph_cache_hit": 0}
+        (group,) = forced.results[0].groups
+        assert group.decision is Decision.REWRITE
+        assert forced.results[0].code_after.count(WRITE_OP) == 2
+
+    torch.testing.assert_close(out1, expected)
+    assert torch.equal(out2, out1) and torch.equal(out3, out1)
+
+
+# --------------------------------------------------------------------------- 8. failure containment
+
+
+@pytest.mark.parametrize("stage", ["rewrite_group", "plan_group"])
+def test_pass_error_is_contained(stage, monkeypatch, caplog):
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(capture_pass, stage, boom)
+    caplog.set_level(logging.WARNING, logger="compile_pass")
+    model, inputs = _tiny()
+    ref = model(*inputs)
+    backend = AuxCaptureBackend(inner="eager", cost_model=False)
+    _assert_bitwise(torch.compile(model, backend=backend)(*inputs), ref)
+
+    assert counters["aux_capture"]["pass_errors"] == 1
+    (result,) = backend.results
+    assert result.error == "RuntimeError: injected"
+    assert result.code_after == result.code_before
+    assert "aux_packed" not in result.code_after
+    assert not result.changed
+    warnings = [r for r in caplog.records if r.name == "compile_pass" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "graph left unchanged" in warnings[0].getMessage()
+    assert "injected" in warnings[0].getMessage()
+
+
+def test_pass_error_under_aot_eager(monkeypatch):
+    monkeypatch.setattr(capture_pass, "rewrite_group",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
+    model, inputs = _tiny()
+    ref = model(*inputs)
+    backend = AuxCaptureBackend(inner="aot_eager", cost_model=False)
+    _assert_bitwise(torch.compile(model, backend=backend)(*inputs), ref)
+    assert counters["aux_capture"]["pass_errors"] == 1
+    assert "injected" in backend.results[0].error
+
+
+def test_inner_compiler_errors_are_not_hidden():
+    def bad_inner(gm, example_inputs):
+        raise ValueError("inner boom")
+
+    compiled = torch.compile(_tiny_fn, backend=aux_capture_backend(inner=bad_inner))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="inner boom"):
+        compiled(torch.randn(4))
+    assert counters["aux_capture"]["pass_errors"] == 0
+
+
+def test_callable_inner_receives_rewritten_graph():
+    model, inputs = _tiny()
+    ref = model(*inputs)
+    seen = []
+
+    def inner(gm, example_inputs):
+        seen.append(gm.code)
+        return gm.forward
+
+    backend = aux_capture_backend(inner=inner, cost_model=False)
+    _assert_bitwise(torch.compile(model, backend=backend)(*inputs), ref)
+    (result,) = backend.results
+    assert result.target == "dynamo_functional"
+    assert seen == [result.code_after]
+    # not a graph that runs as is: custom-op writes, no out= recomputation
+    assert seen[0].count(WRITE_OP) == model.num_captures and ".out(" not in seen[0]
+
+
+# --------------------------------------------------------------------------- 9. mutation semantics
+
+
+class _Three(nn.Module):
+    """Three linear "layers": a matmul between captures makes a cross-layer group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2, self.l3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+
+class MutatedCapture(_Three):
+    def forward(self, x):
+        aux = []
+        h = self.l1(x)
+        aux.append(h)
+        h.add_(1)  # the cat reads the mutated value
+        h2 = self.l2(h)
+        aux.append(h2)
+        h3 = self.l3(h2)
+        aux.append(h3 * 2)
+        return h3, torch.cat(aux, dim=-1)
+
+
+class ClonedCapture(_Three):
+    def forward(self, x):
+        aux = []
+        h = self.l1(x)
+        aux.append(h.clone())
+        h2 = self.l2(h)
+        aux.append(h2.clone())
+        return self.l3(h2), torch.cat(aux, dim=-1)
+
+
+class SharedCapture(_Three):
+    def forward(self, x):
+        aux = []
+        h = torch.relu(self.l1(x))
+        aux.append(h)
+        h2 = torch.sigmoid(self.l2(h)) + h  # the capture feeds later layers too
+        aux.append(h2)
+        h3 = self.l3(h2) + h
+        return h3, torch.cat(aux, dim=-1)
+
+
+class InputCapture(_Three):
+    def forward(self, x):
+        aux = [x]
+        h = self.l1(x)
+        h2 = self.l2(h)
+        aux.append(h2)
+        return h2, torch.cat(aux, dim=0)
+
+
+class MixedDtypes(_Three):
+    def forward(self, x):
+        h = self.l1(x)
+        h2 = self.l2(h)
+        h3 = self.l3(h2).half()
+        return (torch.cat([h, h3], dim=-1),)
+
+
+class OneBlock(_Three):
+    def forward(self, x):
+        h = self.l1(x)
+        return (torch.cat([h * 2, h + 1], dim=-1),)
+
+
+def _compile_module(cls, inner, x, **kwargs):
+    model = cls()
+    ref = model(x.clone())
+    backend = AuxCaptureBackend(inner=inner, cost_model=False)
+    out = torch.compile(model, backend=backend, fullgraph=True, **kwargs)(x.clone())
+    assert len(backend.results) == 1
+    return out, ref, backend.results[0]
+
+
+X = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+INNER_PARAMS = pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+
+
+@INNER_PARAMS
+def test_capture_mutated_before_cat(inner):
+    out, ref, result = _compile_module(MutatedCapture, inner, X)
+    _assert_bitwise(out, ref)
+    assert result.error is None
+    (group,) = result.groups
+    assert group.decision is Decision.REWRITE
+    first = group.captures[0]
+    assert first.strategy is Strategy.COPY
+    if inner == "eager":  # the Dynamo graph still has the in-place add_
+        assert first.write_after is not None and first.write_after.name == "add_"
+        assert first.write_after is not first.node
+        assert "mutated in place" in first.note and "add_" in first.note
+        # the write follows the mutation in the rewritten code
+        code = result.code_after
+        assert code.index("h.add_(1)") < code.index(f"{WRITE_OP}aux_packed, h, 1, 0)")
+    else:  # functionalized: the capture is the add's output
+        assert first.write_after is first.node
+
+
+@INNER_PARAMS
+def test_clone_feeding_only_the_cat_is_elided(inner):
+    out, ref, result = _compile_module(ClonedCapture, inner, X)
+    _assert_bitwise(out, ref)
+    (group,) = result.groups
+    assert group.decision is Decision.REWRITE
+    assert [c.producer for c in group.captures] == [Producer.CLONE, Producer.CLONE]
+    assert [c.strategy for c in group.captures] == [Strategy.ELIDE_CLONE] * 2
+    assert all("clone read only by the concat" in c.note for c in group.captures)
+    assert "clone" in result.code_before
+    assert "clone" not in result.code_after
+    assert result.code_after.count(WRITE_OP) == 2
+
+
+@INNER_PARAMS
+def test_capture_shared_with_later_layers(inner):
+    out, ref, result = _compile_module(SharedCapture, inner, X)
+    _assert_bitwise(out, ref)
+    (group,) = result.groups
+    assert group.decision is Decision.REWRITE
+    assert _num_writes(result.code_after) == 2
+
+
+@INNER_PARAMS
+def test_graph_input_capture(inner):
+    out, ref, result = _compile_module(InputCapture, inner, X)
+    _assert_bitwise(out, ref)
+    (group,) = result.groups
+    assert group.decision is Decision.REWRITE and group.dim == 0
+    assert group.captures[0].producer is Producer.GRAPH_INPUT
+    assert group.captures[0].write_after is None
+    assert "graph input" in group.captures[0].note
+
+
+@INNER_PARAMS
+def test_mixed_dtypes_rejected(inner):
+    out, ref, result = _compile_module(MixedDtypes, inner, X)
+    _assert_bitwise(out, ref)
+    (group,) = result.groups
+    assert group.decision is Decision.REJECT
+    assert re.match(r"capture 1 is torch\.float16, the concat result is torch\.float32 "
+                    r"\(torch\.cat type-promotes mixed dtypes", group.reason), group.reason
+    assert result.code_after == result.code_before
+
+
+@INNER_PARAMS
+def test_one_block_concat_rejected(inner):
+    out, ref, result = _compile_module(OneBlock, inner, X)
+    _assert_bitwise(out, ref)
+    (group,) = result.groups
+    assert group.decision is Decision.REJECT
+    assert "one block" in group.reason and "not a cross-layer capture" in group.reason
+    assert result.code_after == result.code_before
+    assert counters["aux_capture"]["groups_rejected"] == 1
+
+
+def test_symbolic_concat_width_rejected():
+    class TokenCat(_Three):
+        def forward(self, x):
+            h = self.l1(x)
+            h3 = self.l3(self.l2(h))
+            return (torch.cat([h, h3], dim=0),)  # along the dynamic token dim
+
+    out, ref, result = _compile_module(TokenCat, "eager", X, dynamic=True)
+    _assert_bitwise(out, ref)
+    (group,) = result.groups
+    assert group.decision is Decision.REJECT
+    assert re.match(r"capture 0 has a symbolic width \w+ along the concat dim", group.reason), group.reason
+
+
+# --------------------------------------------------------------------------- regressions
+
+
+class MutatedAfterCat(_Three):
+    def forward(self, x):
+        aux = []
+        h = self.l1(x)
+        c = h + x  # exact arithmetic: planned COMPUTE_INTO under the eager inner
+        aux.append(c)
+        h3 = self.l3(self.l2(c)) + 1
+        aux.append(h3)
+        packed = torch.cat(aux, dim=-1)
+        c.add_(1)  # after the cat: the cat must keep the old value
+        return h3 + c, packed
+
+
+class DuplicateCapture(_Three):
+    def forward(self, x):
+        c = self.l1(x) + x
+        h3 = self.l3(self.l2(c)) + 1
+        return h3, torch.cat([c, h3, c], dim=-1)
+
+
+class DuplicateClone(_Three):
+    def forward(self, x):
+        h = self.l1(x)
+        c = h.clone()
+        h3 = self.l3(self.l2(h)) + 1
+        return h3, torch.cat([c, h3, c], dim=-1)
+
+
+class CaptureAlsoReturned(_Three):
+    def forward(self, x):
+        c = self.l1(x) + x
+        h3 = self.l3(self.l2(c)) + 1
+        return c, torch.cat([c, h3], dim=-1)
+
+
+def test_capture_mutated_after_cat_eager_inner():
+    out, ref, result = _compile_module(MutatedAfterCat, "eager", X)
+    _assert_bitwise(out, ref)
+
+
+def test_capture_mutated_after_cat_aot_eager_inner():
+    """The functional AOT graph has no post-cat mutation left: correct there."""
+    out, ref, result = _compile_module(MutatedAfterCat, "aot_eager", X)
+    _assert_bitwise(out, ref)
+    assert result.groups[0].decision is Decision.REWRITE
+
+
+@pytest.mark.parametrize("cls", [DuplicateCapture, DuplicateClone])
+@INNER_PARAMS
+def test_duplicate_capture_is_rewritten(cls, inner):
+    out, ref, result = _compile_module(cls, inner, X)
+    _assert_bitwise(out, ref)
+    assert result.error is None, result.error
+    assert result.groups[0].decision is Decision.REWRITE
+
+
+@INNER_PARAMS
+def test_returned_capture_does_not_alias_aux(inner):
+    out, ref, result = _compile_module(CaptureAlsoReturned, inner, X)
+    _assert_bitwise(out, ref)
+    assert out[0].untyped_storage().data_ptr() != out[1].untyped_storage().data_ptr()
