@@ -13,6 +13,7 @@ Inductor without the pass).
 
     python benchmarks/capture_memory.py                       # the default sweep (CPU)
     python benchmarks/capture_memory.py --models dflash --inners eager --tokens 4096
+    python benchmarks/capture_memory.py --models llama:fused_norm   # captures from a custom op
 """
 
 from __future__ import annotations
@@ -75,12 +76,14 @@ def _equal(a: Tuple[torch.Tensor, Optional[torch.Tensor]], b: Tuple[torch.Tensor
 
 def bench_one(model_name: str, config: str, tokens: int, inners: List[str], repeats: int,
               device: str, dtype: torch.dtype) -> List[Dict[str, Any]]:
-    module = models.FACTORIES[model_name]
+    base_name, _, producer = model_name.partition(":")  # "llama:fused_norm": custom-op captures
+    module = models.FACTORIES[base_name]
     factory = getattr(module, config)
+    overrides = {"capture_producer": producer} if producer else {}
     rows: List[Dict[str, Any]] = []
 
     def build(mode: str):
-        model, inputs = factory(capture_mode=mode, tokens=tokens, dtype=dtype, seed=0)
+        model, inputs = factory(capture_mode=mode, tokens=tokens, dtype=dtype, seed=0, **overrides)
         return model.to(device), tuple(t.to(device) for t in inputs)
 
     def row(execution: str, variant: str, peak: int, packed: int, none_peak: int,
@@ -138,7 +141,7 @@ def bench_one(model_name: str, config: str, tokens: int, inners: List[str], repe
 
 
 def format_table(rows: List[Dict[str, Any]]) -> str:
-    header = (f"{'model':9} {'config':17} {'T':>6} {'execution':10} {'variant':10} "
+    header = (f"{'model':16} {'config':17} {'T':>6} {'execution':10} {'variant':10} "
               f"{'peak MiB':>9} {'packed':>7} {'overhead':>8} {'equal':>6} {'t ratio':>7} {'pass ms':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -147,7 +150,7 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
                    if r.get("pass_seconds_per_graph") else "")
         equal = "" if r["bitwise_equal"] is None else ("yes" if r["bitwise_equal"] else "NO")
         lines.append(
-            f"{r['model']:9} {r['config']:17} {r['tokens']:>6} {r['execution']:10} {r['variant']:10} "
+            f"{r['model']:16} {r['config']:17} {r['tokens']:>6} {r['execution']:10} {r['variant']:10} "
             f"{r['peak_bytes'] / 2**20:9.1f} {r['packed_bytes'] / 2**20:7.1f} {r['overhead']:8.2f} "
             f"{equal:>6} {ratio:>7} {pass_ms:>8}")
     return "\n".join(lines)
