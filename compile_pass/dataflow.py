@@ -27,9 +27,9 @@ __all__ = [
     "nbytes",
     "storage_key",
     "mutated_inputs",
-    "is_view_of_input",
     "source_line",
     "is_cat",
+    "alias_groups",
 ]
 
 _INPLACE_OPERATORS = {
@@ -128,15 +128,6 @@ def mutated_inputs(node: fx.Node) -> List[fx.Node]:
     if node.kwargs.get("inplace") is True:
         return first + out
     return out
-
-
-def is_view_of_input(node: fx.Node, source: fx.Node) -> bool:
-    """True if ``node``'s value shares storage with ``source``'s value."""
-    a, b = tensor_value(node), tensor_value(source)
-    if a is None or b is None:
-        return False
-    ka, kb = storage_key(a), storage_key(b)
-    return ka is not None and ka == kb
 
 
 def source_line(node: fx.Node) -> str:

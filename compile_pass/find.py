@@ -176,9 +176,9 @@ def _spans_layers(group: CaptureGroup, depth: dict) -> bool:
     concat whose inputs all come out of one block (RoPE's rotate-half, MLA's nope/rope
     join) has inputs at one depth, is not a capture group and stays with the compiler.
     """
-    depths = {depth[c.node] for c in group.captures if c.node.op not in ("placeholder", "get_attr")}
-    return len(depths) > 1 or len(group.captures) - sum(
-        c.node.op not in ("placeholder", "get_attr") for c in group.captures) > 0
+    if any(c.producer is Producer.GRAPH_INPUT for c in group.captures):
+        return True  # a graph input and a computed value come from different places
+    return len({depth[c.node] for c in group.captures}) > 1
 
 
 def find_capture_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureGroup]:
