@@ -156,6 +156,19 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_markdown(rows: List[Dict[str, Any]]) -> str:
+    lines = ["| model | config | T | execution | capture | peak MiB | packed MiB | overhead | bitwise | pass ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        equal = "" if r["bitwise_equal"] is None else ("yes" if r["bitwise_equal"] else "NO")
+        pass_ms = (f"{1000 * max(r['pass_seconds_per_graph']):.0f}"
+                   if r.get("pass_seconds_per_graph") else "")
+        lines.append(f"| {r['model']} | {r['config']} | {r['tokens']} | {r['execution']} | {r['variant']} "
+                     f"| {r['peak_bytes'] / 2**20:.1f} | {r['packed_bytes'] / 2**20:.1f} "
+                     f"| {r['overhead']:.2f} | {equal} | {pass_ms} |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="llama,deepseek,dflash")
@@ -166,7 +179,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--render", default=None, metavar="JSON",
+                        help="print an earlier run's JSON as a markdown table, run nothing")
     args = parser.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            saved = json.load(f)
+        print(f"<!-- python benchmarks/capture_memory.py {' '.join(saved['argv'])} "
+              f"(torch {saved['torch']}) -->")
+        print(format_markdown(saved["rows"]))
+        return 0
     dtype = getattr(torch, args.dtype)
     rows: List[Dict[str, Any]] = []
     for model_name in args.models.split(","):
