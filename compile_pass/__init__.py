@@ -10,6 +10,7 @@ import logging
 
 from compile_pass.backend import AuxCaptureBackend, aux_capture_backend
 from compile_pass.capture_pass import PassResult, run_capture_pass
+from compile_pass.explain import explain
 from compile_pass.find import find_capture_groups
 from compile_pass.groups import Capture, CaptureGroup, Decision, Producer, Strategy
 from compile_pass.inductor_pass import AuxCapturePass
@@ -36,6 +37,7 @@ __all__ = [
     "Producer",
     "Strategy",
     "aux_capture_backend",
+    "explain",
     "find_capture_groups",
     "measure_peak",
     "run_capture_pass",

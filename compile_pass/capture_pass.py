@@ -195,7 +195,9 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
     if isinstance(target, str):
         target = TARGETS[target]
     start = time.perf_counter()
-    result = PassResult(target.name, [], gm.code, gm.code)
+    # the graph's own code, not gm.code: earlier passes (Inductor's) may not have recompiled
+    code_before = gm.graph.python_code("self").src
+    result = PassResult(target.name, [], code_before, code_before)
     try:
         if estimate:
             result.timeline_before = _liveness(gm.graph, target).timeline()
@@ -221,15 +223,18 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
             groups = groups[:i] + [g for g in find_capture_groups(gm) if g.cat.name in remaining]
         if graph_changed:
             gm.recompile()
-        result.code_after = gm.code
+            result.code_after = gm.code
         if estimate:
             result.timeline_after = _liveness(gm.graph, target).timeline()
     except Exception as e:  # noqa: BLE001 - the pass must never break a compile
         result.error = f"{type(e).__name__}: {e}"
         gm.recompile()
         result.code_after = gm.code
+        if result.code_after == result.code_before:
+            log.warning("aux_capture pass failed, graph left unchanged: %s", result.error)
+        else:
+            log.warning("aux_capture pass failed after completing some rewrites: %s", result.error)
         counters["aux_capture"]["pass_errors"] += 1
-        log.warning("aux_capture pass failed, graph left unchanged: %s", result.error)
         return result
     finally:
         result.seconds = time.perf_counter() - start

@@ -14,6 +14,7 @@ from the in-place conventions (trailing underscore, ``out=``, ``inplace=True``,
 from __future__ import annotations
 
 import operator
+import os
 from typing import Any, Dict, Iterable, List, Optional, Set
 
 import torch
@@ -137,7 +138,9 @@ def source_line(node: fx.Node) -> str:
     frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
     if not frames:
         return ""
-    last = frames[-1]
+    # the user's line, not this package's (AuxHiddenStateList.capture's clone, say)
+    user_frames = [i for i in frames if f"{os.sep}compile_pass{os.sep}" not in lines[i]]
+    last = (user_frames or frames)[-1]
     location = lines[last]
     code = lines[last + 1] if last + 1 < len(lines) and not lines[last + 1].startswith("File ") else ""
     # 'File "/x/llama.py", line 12, in forward' -> 'llama.py:12 (forward)'

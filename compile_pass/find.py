@@ -15,7 +15,9 @@ from typing import List, Optional
 import torch
 import torch.fx as fx
 
-from compile_pass.dataflow import hint, is_cat, nbytes, source_line, storage_key, tensor_value
+from compile_pass.dataflow import (
+    hint, is_cat, mutated_inputs, nbytes, source_line, storage_key, tensor_value,
+)
 from compile_pass.groups import Capture, CaptureGroup, Decision, Producer
 
 __all__ = ["find_capture_groups", "classify_producer", "aten_packet", "exact_out_variant"]
@@ -160,12 +162,24 @@ _LAYER_BOUNDARIES = {Producer.MATMUL, Producer.BATCHED_MATMUL, Producer.CUSTOM_O
 
 
 def _layer_depths(order: List[fx.Node]) -> dict:
-    """Per node: the longest chain of matmuls and opaque ops it depends on (its "layer")."""
+    """Per node: the longest chain of matmuls and opaque ops it depends on (its "layer").
+
+    An in-place write is a dependency too: a value read after a node mutated its storage
+    (a residual updated by a fused add-RMSNorm) depends on that node.
+    """
     depth: dict = {}
+    written_at: dict = {}  # storage -> depth of its latest in-place writer
     for n in order:
-        base = max((depth.get(a, 0) for a in n.all_input_nodes), default=0)
+        keys = [storage_key(tensor_value(a)) for a in n.all_input_nodes if tensor_value(a) is not None]
+        base = max([depth.get(a, 0) for a in n.all_input_nodes]
+                   + [written_at.get(k, 0) for k in keys if k is not None], default=0)
         boundary = n.op == "call_function" and classify_producer(n) in _LAYER_BOUNDARIES
         depth[n] = base + boundary
+        for mutated in mutated_inputs(n):
+            value = tensor_value(mutated)
+            key = storage_key(value) if value is not None else None
+            if key is not None:
+                written_at[key] = depth[n]
     return depth
 
 

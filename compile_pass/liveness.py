@@ -93,7 +93,10 @@ class LivenessModel:
             time = 2 * self.position[node]
             target = computed_into.get(node)
             keys: List[Hashable] = []
-            for t in _value_tensors(target if target is not None else node):
+            # the output node allocates nothing (its metadata may even describe values a
+            # rewrite replaced); what it returns is kept alive through last_read
+            values = [] if node.op == "output" else _value_tensors(target if target is not None else node)
+            for t in values:
                 key = storage_key(t) or ("object", id(t))
                 keys.append(key)
                 self.nodes_of.setdefault(key, []).append(node)
