@@ -1,7 +1,8 @@
 """Peak memory of aux-hidden-state capture: list path vs packer vs the compiler pass.
 
 For each reference model, config and token count, in one process, side by side:
-- eager rows: capture modes none / list / packer / list_out (+ the caller's pack);
+- module rows (the model run eagerly, uncompiled): capture modes none / list / packer /
+  list_out (+ the caller's pack);
 - compiled rows, per inner compiler: mode none, the list path with the pass off
   (``rewrite=False``) and with the pass on.
 
@@ -106,7 +107,7 @@ def bench_one(model_name: str, config: str, tokens: int, inners: List[str], repe
         reference = eager["list"][1]
         packed = reference[1].numel() * reference[1].element_size()
         for mode, (peak, result, seconds) in eager.items():
-            rows.append(row("eager", mode, peak, packed, eager["none"][0],
+            rows.append(row("module", mode, peak, packed, eager["none"][0],
                             None if mode == "none" else _equal(result, reference), seconds))
 
         for inner in inners:
@@ -157,15 +158,17 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
 
 
 def format_markdown(rows: List[Dict[str, Any]]) -> str:
-    lines = ["| model | config | T | execution | capture | peak MiB | packed MiB | overhead | bitwise | pass ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | config | T | execution | capture | peak MiB | packed MiB | overhead | bitwise "
+             "| time pass/no pass | pass ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         equal = "" if r["bitwise_equal"] is None else ("yes" if r["bitwise_equal"] else "NO")
         pass_ms = (f"{1000 * max(r['pass_seconds_per_graph']):.0f}"
                    if r.get("pass_seconds_per_graph") else "")
+        ratio = f"{r['time_ratio_vs_no_pass']:.2f}" if "time_ratio_vs_no_pass" in r else ""
         lines.append(f"| {r['model']} | {r['config']} | {r['tokens']} | {r['execution']} | {r['variant']} "
                      f"| {r['peak_bytes'] / 2**20:.1f} | {r['packed_bytes'] / 2**20:.1f} "
-                     f"| {r['overhead']:.2f} | {equal} | {pass_ms} |")
+                     f"| {r['overhead']:.2f} | {equal} | {ratio} | {pass_ms} |")
     return "\n".join(lines)
 
 
