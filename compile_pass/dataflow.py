@@ -31,6 +31,7 @@ __all__ = [
     "source_line",
     "is_cat",
     "alias_groups",
+    "module_location",
 ]
 
 _INPLACE_OPERATORS = {
@@ -152,6 +153,31 @@ def source_line(node: fx.Node) -> str:
     except IndexError:
         where = location
     return f"{where}: {code}" if code else where
+
+
+def _module_path(stack_entry: Any) -> str:
+    path = stack_entry[0] if isinstance(stack_entry, tuple) else str(stack_entry)
+    for prefix in ("L['self'].", "L['self']", "self."):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    return path
+
+
+def module_location(node: fx.Node, following: Iterable[fx.Node]) -> str:
+    """Where in the model ``node`` is computed, from ``nn_module_stack`` metadata: inside a
+    module ("in layers.3.mlp"), or between modules at the input of the next one entered
+    ("input of layers.2", what an Eagle3 capture at layer 2 looks like)."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return f"in {_module_path(list(stack.values())[-1])}"
+    for later in following:
+        stack = later.meta.get("nn_module_stack")
+        if stack:
+            parts = _module_path(list(stack.values())[0]).split(".")
+            # the block being entered: up to the first ModuleList index ("layers.2")
+            cut = next((i + 1 for i, p in enumerate(parts) if p.isdigit()), len(parts))
+            return f"input of {'.'.join(parts[:cut])}"
+    return ""
 
 
 def alias_groups(nodes: Iterable[fx.Node]) -> Dict[StorageWeakRef, Set[fx.Node]]:

@@ -286,7 +286,7 @@ def _table(rows: List[List[str]], indent: str = "  ") -> List[str]:
 
 def _group_key(g: CaptureGroup) -> Tuple[Any, ...]:
     return (g.k, g.widths, g.dtype, g.decision, g.reason,
-            tuple((c.source, c.producer, c.strategy) for c in g.captures))
+            tuple((c.source, c.location, c.producer, c.strategy) for c in g.captures))
 
 
 def _ranges(indices: Sequence[int], limit: Optional[int] = None) -> str:
@@ -419,7 +419,8 @@ class ExplainReport:
             for c in g.captures:
                 how = c.producer.value + (f", {c.strategy.value}" if c.strategy is not None else "")
                 node = f" {c.node.name}" if len(run) == 1 else ""
-                out.append(s(f"      capture {c.position}:{node} ({how})  {c.source or '?'}", "dim"))
+                where = f"[{c.location}]  " if c.location else ""
+                out.append(s(f"      capture {c.position}:{node} ({how})  {where}{c.source or '?'}", "dim"))
         return out
 
     def to_dict(self) -> Dict[str, Any]:

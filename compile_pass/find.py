@@ -10,13 +10,13 @@ with a reason, so the diff tool can show them.
 from __future__ import annotations
 
 import operator
-from typing import List, Optional
+from typing import Callable, Iterable, List, Optional
 
 import torch
 import torch.fx as fx
 
 from compile_pass.dataflow import (
-    hint, is_cat, mutated_inputs, nbytes, source_line, storage_key, tensor_value,
+    hint, is_cat, module_location, mutated_inputs, nbytes, source_line, storage_key, tensor_value,
 )
 from compile_pass.groups import Capture, CaptureGroup, Decision, Producer
 
@@ -108,7 +108,8 @@ def _is_static(size: object) -> bool:
     return isinstance(size, int) or (isinstance(size, torch.SymInt) and size.node.expr.is_number)
 
 
-def _group_for(cat: fx.Node) -> Optional[CaptureGroup]:
+def _group_for(cat: fx.Node, following: Optional[Callable[[fx.Node], Iterable[fx.Node]]] = None
+               ) -> Optional[CaptureGroup]:
     inputs = cat.args[0] if cat.args else cat.kwargs.get("tensors")
     dim_arg = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
     out = tensor_value(cat)
@@ -136,6 +137,7 @@ def _group_for(cat: fx.Node) -> Optional[CaptureGroup]:
         group.captures.append(Capture(
             node=node, position=position, offset=offset, width=hint(width),
             producer=classify_producer(node), source=source_line(node),
+            location=module_location(node, following(node)) if following is not None else "",
         ))
         if not _is_static(width):
             return group.reject(
@@ -205,9 +207,14 @@ def find_capture_groups(graph_module: fx.GraphModule | fx.Graph) -> List[Capture
     groups = []
     order = list(graph.nodes)
     depth: Optional[dict] = None
+    position = {n: i for i, n in enumerate(order)}
+
+    def following(node: fx.Node, window: int = 64) -> List[fx.Node]:
+        return order[position[node] + 1:position[node] + 1 + window]
+
     for node in order:
         if is_cat(node):
-            group = _group_for(node)
+            group = _group_for(node, following)
             if group is None:
                 continue
             if group.decision is Decision.FOUND and depth is None:

@@ -57,6 +57,7 @@ class Capture:
     width: int  # its size along the concat dim
     producer: Producer
     source: str  # user source line of the producer, from node metadata
+    location: str = ""  # where in the model: "input of layers.2", "in layers.3.mlp"
     write_after: Optional[fx.Node] = None  # planned: the write goes right after this node
     hoist_after: Optional[fx.Node] = None  # planned: the producer first moves right after this
     strategy: Optional[Strategy] = None
@@ -70,6 +71,7 @@ class Capture:
             "width": self.width,
             "producer": self.producer.value,
             "source": self.source,
+            "location": self.location,
             "write_after": self.write_after.name if self.write_after is not None else None,
             "hoist_after": self.hoist_after.name if self.hoist_after is not None else None,
             "strategy": self.strategy.value if self.strategy is not None else None,

@@ -313,3 +313,12 @@ def test_pass_time_on_llama_graph_is_small():
     gm = dynamo_graph(model, *inputs)
     result = run_capture_pass(gm, "dynamo")
     assert result.seconds < 0.5, result.seconds
+
+
+def test_captures_are_located_at_their_layers():
+    """nn_module_stack metadata names the block each capture feeds (Eagle3: [2, L//2, L-3])."""
+    model, inputs = models.llama.tiny(capture_mode="list", tokens=16)
+    gm = dynamo_graph(model, *inputs)
+    [group] = [g for g in find_capture_groups(gm) if g.k == model.num_captures]
+    expected = [f"input of layers.{i}" for i in model.config.layers_to_capture]
+    assert [c.location for c in group.captures] == expected
