@@ -168,6 +168,10 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
     except RewriteError as e:
         group.reject(str(e))
         return False
+    except Exception as e:  # noqa: BLE001 - an invalid trial graph rejects this group only
+        group.reject(f"the trial rewrite failed, group left as is: {type(e).__name__}: {e}")
+        log.debug("aux_capture trial rewrite of %s failed", group.cat.name, exc_info=True)
+        return False
     group.decision = Decision.REWRITE
     group.reason = f"estimated peak {_mib(before)} -> {_mib(after)} ({(after - before) / before:+.0%})"
     if after >= before:

@@ -75,7 +75,10 @@ def classify_producer(node: fx.Node) -> Producer:
         return Producer.CUSTOM_OP
     target = node.target
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        if target.namespace not in ("aten", "prims"):
+        qualified = target._schema.name if isinstance(target, torch._ops.OpOverload) \
+            else target._qualified_op_name  # "aten::mul"
+        namespace = qualified.split("::")[0]
+        if namespace not in ("aten", "prims"):
             return Producer.CUSTOM_OP
     packet = aten_packet(node)
     if packet is None:
@@ -111,7 +114,7 @@ def _is_static(size: object) -> bool:
 def _group_for(cat: fx.Node, following: Optional[Callable[[fx.Node], Iterable[fx.Node]]] = None
                ) -> Optional[CaptureGroup]:
     inputs = cat.args[0] if cat.args else cat.kwargs.get("tensors")
-    dim_arg = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    dim_arg = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", cat.kwargs.get("axis", 0))
     out = tensor_value(cat)
     if not isinstance(inputs, (list, tuple)) or len(inputs) < 2 or out is None:
         return None

@@ -42,6 +42,8 @@ class GraphFacts:
         self.nodes = list(graph.nodes)
         self.position = {n: i for i, n in enumerate(self.nodes)}
         self.aliases = alias_groups(self.nodes)
+        placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self.last_placeholder: Optional[fx.Node] = placeholders[-1] if placeholders else None
         self.mutators: Dict[fx.Node, List[fx.Node]] = {}
         for node in self.nodes:
             for target in mutated_inputs(node):
@@ -78,14 +80,23 @@ def _only_reader_is(node: fx.Node, reader: fx.Node) -> bool:
 
 
 def _hoist_point(node: fx.Node, facts: GraphFacts) -> Optional[fx.Node]:
-    """The node a functional producer can move right after (its last input), if earlier."""
+    """The earliest node a functional producer can move right after, if earlier than now:
+    after its last input, after the last in-place write into any input's storage (a view
+    of a buffer an earlier rewrite fills), and never among the graph's placeholders."""
     if node.op != "call_function":
         return None
-    inputs = node.all_input_nodes
-    latest = max(inputs, key=lambda n: facts.position[n]) if inputs else None
-    if latest is None or facts.position[latest] >= facts.position[node] - 1:
+    here = facts.position[node]
+    candidates = list(node.all_input_nodes)
+    if facts.last_placeholder is not None:
+        candidates.append(facts.last_placeholder)
+    for arg in node.all_input_nodes:
+        writer = facts.last_mutation(arg, -1, here)
+        if writer is not None:
+            candidates.append(writer)
+    if not candidates:
         return None
-    return latest
+    latest = max(candidates, key=lambda n: facts.position[n])
+    return latest if facts.position[latest] < here - 1 else None
 
 
 def _plan_capture(capture: Capture, group: CaptureGroup, facts: GraphFacts, runs_as_is: bool,
