@@ -30,7 +30,7 @@ Capture modes (how a model collects its K aux hidden states):
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -327,3 +327,27 @@ def dflash_capture_layers(num_layers: int, k: int = 5) -> List[int]:
 
 def _softmax_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def example_inputs(cfg: Any, tokens: int, device: Optional[Union[str, torch.device]] = None,
+                   seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, positions)`` for any reference config (``vocab_size``, ``max_position``):
+    ``tokens`` ids drawn from a CPU generator seeded ``seed``, positions ``0..T-1``."""
+    if not 1 <= tokens <= cfg.max_position:
+        raise ValueError(f"tokens must be in [1, {cfg.max_position}], got {tokens}")
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=g)
+    return input_ids.to(device), torch.arange(tokens).to(device)
+
+
+def build_seeded(model_cls: Callable[..., nn.Module], cfg: Any, capture_mode: str = "list",
+                 tokens: int = 32, dtype: torch.dtype = torch.float32, seed: int = 0,
+                 device: Optional[Union[str, torch.device]] = None
+                 ) -> Tuple[nn.Module, Tuple[torch.Tensor, torch.Tensor]]:
+    """``model_cls(cfg)`` seeded with ``seed`` (built on CPU, then moved), in eval mode, and
+    its example inputs."""
+    torch.manual_seed(seed)
+    model = model_cls(cfg, capture_mode=capture_mode, dtype=dtype).eval()
+    if device is not None:
+        model.to(device)
+    return model, example_inputs(cfg, tokens, device=device, seed=seed)

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 
 from models.common import (
+    build_seeded,
+    example_inputs,
     RMSNorm,
     RotaryEmbedding,
     _softmax_scale,
@@ -299,18 +301,6 @@ class LlamaModel(nn.Module):
         return hidden_states, finish_aux(mode, aux)
 
 
-def example_inputs(
-    cfg: LlamaConfig, tokens: int, device: Optional[Union[str, torch.device]] = None, seed: int = 0
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, positions)``: ``tokens`` ids drawn from a CPU generator seeded ``seed``, positions ``0..T-1``."""
-    if not 1 <= tokens <= cfg.max_position:
-        raise ValueError(f"tokens must be in [1, {cfg.max_position}], got {tokens}")
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=g)
-    positions = torch.arange(tokens)
-    return input_ids.to(device), positions.to(device)
-
-
 def build_model(
     cfg: LlamaConfig,
     capture_mode: str = "list",
@@ -319,12 +309,8 @@ def build_model(
     seed: int = 0,
     device: Optional[Union[str, torch.device]] = None,
 ) -> Tuple[LlamaModel, Tuple[torch.Tensor, torch.Tensor]]:
-    """Seeded model (built on CPU, then moved) in eval mode, plus example inputs."""
-    torch.manual_seed(seed)
-    model = LlamaModel(cfg, capture_mode=capture_mode, dtype=dtype).eval()
-    if device is not None:
-        model.to(device)
-    return model, example_inputs(cfg, tokens, device=device, seed=seed)
+    """Seeded :class:`LlamaModel` (built on CPU, then moved) in eval mode, plus example inputs."""
+    return build_seeded(LlamaModel, cfg, capture_mode, tokens, dtype, seed, device)
 
 
 def tiny(
