@@ -16,17 +16,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
-from compile_pass.find import find_capture_groups
-from compile_pass.groups import CaptureGroup, Decision, Producer, summarize
 from compile_pass.cost import planned_peak
+from compile_pass.dataflow import is_cat, tensor_value
+from compile_pass.find import classify_producer, find_capture_groups
+from compile_pass.groups import CaptureGroup, Decision, Producer, summarize
 from compile_pass.liveness import LivenessModel, MemoryTimeline
 from compile_pass.plan import GraphFacts, plan_group
-from compile_pass.dataflow import is_cat, tensor_value
-from compile_pass.find import classify_producer
 from compile_pass.rewrite import RewriteError, rewrite_group
 
 __all__ = ["Target", "PassResult", "run_capture_pass", "TARGETS"]
@@ -56,7 +54,9 @@ class Target:
 
 TARGETS: Dict[str, Target] = {
     "dynamo": Target("dynamo", runs_as_is=True, inductor_cost=False),  # eager inner
-    "aot": Target("aot", runs_as_is=True, inductor_cost=False, autograd_free=True),  # aot_eager / cudagraphs inners
+    # aot_eager / cudagraphs inners: the forward graph after AOTAutograd
+    "aot": Target("aot", runs_as_is=True, inductor_cost=False, autograd_free=True),
+    # a callable inner: the Dynamo graph, functionalized by whatever comes next
     "dynamo_functional": Target("dynamo_functional", runs_as_is=False, inductor_cost=False),
     # Inductor's post-grad graph (AuxCapturePass): functional, lowered by Inductor next
     "post_grad": Target("post_grad", runs_as_is=False, inductor_cost=True, autograd_free=True,
