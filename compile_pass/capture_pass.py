@@ -133,9 +133,8 @@ class _GraphState:
 
 
 def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
-    """Plan and cost one group; accept it if it lowers the estimated peak (or, with
-    ``cost_model=False``, whenever the plan is valid) and a trial rewrite on a copy of the
-    graph succeeds."""
+    """Plan, trial-rewrite (on a copy) and price one group; accept it if the trial succeeds
+    and the estimated peak drops (with ``cost_model=False``: whenever the trial succeeds)."""
     target = state.target
     packed = tensor_value(group.cat)
     if packed is not None and packed.requires_grad and not target.autograd_free:
@@ -146,11 +145,21 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
     plan_group(group, state.facts, target.runs_as_is, hoist=target.hoist)
     if group.decision is Decision.REJECT:
         return False
-    # under Inductor's cost model the rewritten group's producers are no longer fused into
-    # its concat, so they are priced on a model without that fusion
-    after_model = _liveness(state.gm.graph, target, except_cat=group.cat) \
-        if target.inductor_cost else state.liveness
-    before, after = state.peak, planned_peak(after_model, group)
+    before = state.peak
+    trial: Optional[fx.Graph] = None
+    if target.hoist:
+        # hoisting moves producers and shortens their inputs' lives: price the rewritten
+        # copy itself rather than the original graph's intervals
+        trial = _trial_rewrite(state.gm.graph, group)
+        if trial is None:
+            return False
+        after = _liveness(trial, target).peak()
+    else:
+        # under Inductor's cost model the rewritten group's producers are no longer fused
+        # into its concat, so they are priced on a model without that fusion
+        after_model = _liveness(state.gm.graph, target, except_cat=group.cat) \
+            if target.inductor_cost else state.liveness
+        after = planned_peak(after_model, group)
     group.estimated_peak_before, group.estimated_peak_after = before, after
     if after >= before and cost_model:
         fused = [c for c in group.captures if c.producer in _INDUCTOR_COMPUTES_INTO_CAT
@@ -161,22 +170,25 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
                     f"into the concat output")
         group.reject(why)
         return False
-    trial, node_map = copy_graph(state.gm.graph)
-    try:
-        rewrite_group(trial, group.replace_nodes(node_map))
-        trial.lint()
-    except RewriteError as e:
-        group.reject(str(e))
-        return False
-    except Exception as e:  # noqa: BLE001 - an invalid trial graph rejects this group only
-        group.reject(f"the trial rewrite failed, group left as is: {type(e).__name__}: {e}")
-        log.debug("aux_capture trial rewrite of %s failed", group.cat.name, exc_info=True)
+    if trial is None and _trial_rewrite(state.gm.graph, group) is None:
         return False
     group.decision = Decision.REWRITE
     group.reason = f"estimated peak {_mib(before)} -> {_mib(after)} ({(after - before) / before:+.0%})"
     if after >= before:
         group.reason += "; rewritten because the cost model is off"
     return True
+
+
+def _trial_rewrite(graph: fx.Graph, group: CaptureGroup) -> Optional[fx.Graph]:
+    """The planned rewrite applied to a copy of ``graph``; None (group rejected) if it fails."""
+    trial, node_map = copy_graph(graph)
+    try:
+        rewrite_group(trial, group.replace_nodes(node_map))
+        trial.lint()
+    except RewriteError as e:  # a plan this graph cannot express: this group only
+        group.reject(str(e))
+        return None
+    return trial  # any other exception is a pass error (run_capture_pass counts and logs it)
 
 
 def _record(result: PassResult) -> None:

@@ -8,11 +8,12 @@ rather than on a rewritten copy, so deciding a group costs one sweep, not a grap
 - a COPY capture is no longer read by the concat: it dies at its write (or at its last
   other reader, whichever is later);
 - a COMPUTE_INTO or ELIDE_CLONE capture allocates nothing: its value is the buffer's
-  slice (readers of it keep the buffer alive);
-- a hoisted producer is born right after its last input, which it now reads there (an
-  input that dies earlier is freed earlier).
+  slice (readers of it keep the buffer alive).
 
-``tests/test_cost.py`` checks this against the liveness of the actually rewritten graph.
+Plans that hoist producers (``plan.py``) move nodes; the pass prices those on the rewritten
+copy of the graph instead (``capture_pass._decide``).
+
+``tests/test_capture_pass.py`` checks this against the liveness of the rewritten graph.
 """
 
 from __future__ import annotations
@@ -29,23 +30,9 @@ def write_time(model: LivenessModel, capture: Capture) -> Optional[int]:
     """When a planned capture is written (half steps); None for graph inputs (with the first)."""
     if capture.write_after is None:
         return None
-    if capture.hoist_after is not None:
-        return 2 * model.position[capture.hoist_after] + 1
     if capture.strategy in (Strategy.COMPUTE_INTO, Strategy.ELIDE_CLONE):
         return 2 * model.position[capture.node]
     return 2 * model.position[capture.write_after] + 1
-
-
-def _hoist_inputs(model: LivenessModel, capture: Capture, time: int,
-                  changes: Dict[Hashable, Optional[Interval]]) -> None:
-    """A hoisted producer reads its inputs earlier: they may die earlier."""
-    for arg in capture.node.all_input_nodes:
-        for key in model.keys_of.get(arg, ()):
-            current = changes.get(key, model.intervals.get(key))
-            if current is None:
-                continue
-            last = max(model.last_read(key, ignore=capture.node), time)
-            changes[key] = Interval(current.size, current.born, min(current.last, last))
 
 
 def planned_changes(model: LivenessModel, group: CaptureGroup) -> Dict[Hashable, Optional[Interval]]:
@@ -70,11 +57,7 @@ def planned_changes(model: LivenessModel, group: CaptureGroup) -> Dict[Hashable,
             current = changes.get(key, model.intervals[key])
             written = write_time(model, capture) or 0
             last = max(model.last_read(key, ignore=group.cat), written)
-            born = current.born
-            if capture.hoist_after is not None:
-                born = min(born, written)
-                _hoist_inputs(model, capture, written, changes)
-            changes[key] = Interval(current.size, born, last)
+            changes[key] = Interval(current.size, current.born, last)
     changes[cat_key] = Interval(packed.size, first_write, buffer_last)
     return changes
 
