@@ -120,7 +120,7 @@ def _plan_capture(capture: Capture, group: CaptureGroup, facts: GraphFacts, runs
         return
     if hoist and first_occurrence:
         capture.hoist_after = _hoist_point(node, facts)
-    hoisted = (f"; moved up right after {capture.hoist_after.name}, its last input"
+    hoisted = (f"; moved up to right after {capture.hoist_after.name}, as early as its inputs allow"
                if capture.hoist_after is not None else "")
     if capture.producer is Producer.CLONE and not duplicate and _only_reader_is(node, cat):
         capture.strategy, capture.write_after = Strategy.ELIDE_CLONE, node
