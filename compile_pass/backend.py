@@ -21,12 +21,15 @@ so its cost model sees which captures Inductor would really copy into the concat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 
 from compile_pass.capture_pass import PassResult, run_capture_pass
+
+if TYPE_CHECKING:
+    from compile_pass.inductor_pass import AuxCapturePass
 
 __all__ = ["AuxCaptureBackend", "aux_capture", "aux_capture_backend", "INNERS", "MODES"]
 
@@ -96,9 +99,25 @@ class AuxCaptureBackend:
     def _inner_name(self) -> str:
         return self.inner if isinstance(self.inner, str) else getattr(self.inner, "__name__", "callable")
 
+    #: whole-graph memory timelines in every PassResult (the diff tool turns it on)
+    _estimate = False
+
+    def _on_result(self, result: PassResult, graph: fx.Graph) -> None:
+        """Called with each graph's pass result (already in ``results``); a hook for
+        subclasses that keep more about the rewritten ``graph``."""
+
     def _rewrite(self, gm: fx.GraphModule, target: str) -> None:
         if self.rewrite:
-            self.results.append(run_capture_pass(gm, target, cost_model=self.cost_model))
+            result = run_capture_pass(gm, target, estimate=self._estimate, cost_model=self.cost_model)
+            self.results.append(result)
+            self._on_result(result, gm.graph)
+
+    def _capture_pass(self) -> "AuxCapturePass":
+        """The post-grad pass the inductor inner runs, filling ``results`` as ``_rewrite`` does."""
+        from compile_pass.inductor_pass import AuxCapturePass
+
+        return AuxCapturePass(cost_model=self.cost_model, results=self.results,
+                              estimate=self._estimate, on_result=self._on_result)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> CompiledFn:
         if self.inner == "eager":
@@ -116,12 +135,12 @@ class AuxCaptureBackend:
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
-        from compile_pass.inductor_pass import AuxCapturePass, chain_post_grad_passes
+        from compile_pass.inductor_pass import chain_post_grad_passes
 
         patches = dict(list_mode_options(self.mode)) if self.mode not in (None, "default") else {}
         patches.update(self.inductor_options)
         if self.rewrite:
-            capture_pass = AuxCapturePass(cost_model=self.cost_model, results=self.results)
+            capture_pass = self._capture_pass()
             existing = patches.get("post_grad_custom_post_pass",
                                    inductor_config.post_grad_custom_post_pass)
             patches["post_grad_custom_post_pass"] = chain_post_grad_passes(existing, capture_pass)

@@ -83,16 +83,20 @@ class PassResult:
         return any(g.decision is Decision.REWRITE for g in self.groups)
 
 
+def _inductor_computes_into(producer: fx.Node, cat: fx.Node) -> bool:
+    """Inductor computes ``producer`` straight into ``cat``'s output: a pointwise or mm
+    producer whose only reader is the concat (another reader fixes its layout first, and
+    the concat then copies it)."""
+    return set(producer.users) == {cat} and classify_producer(producer) in _INDUCTOR_COMPUTES_INTO_CAT
+
+
 def _inductor_computed_into(graph: fx.Graph) -> Dict[fx.Node, fx.Node]:
-    """Concat inputs Inductor computes straight into the concat's output: pointwise and mm
-    producers whose only reader is the concat (another reader fixes their layout first,
-    and the concat then copies them)."""
+    """Every concat input of ``graph`` Inductor computes into its concat's output."""
     fused: Dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
         if is_cat(node) and node.args and isinstance(node.args[0], (list, tuple)):
             for arg in node.args[0]:
-                if isinstance(arg, fx.Node) and arg not in fused and set(arg.users) == {node} \
-                        and classify_producer(arg) in _INDUCTOR_COMPUTES_INTO_CAT:
+                if isinstance(arg, fx.Node) and arg not in fused and _inductor_computes_into(arg, node):
                     fused[arg] = node
     return fused
 
@@ -162,8 +166,7 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
         after = planned_peak(after_model, group)
     group.estimated_peak_before, group.estimated_peak_after = before, after
     if after >= before and cost_model:
-        fused = [c for c in group.captures if c.producer in _INDUCTOR_COMPUTES_INTO_CAT
-                 and set(c.node.users) == {group.cat}]
+        fused = [c for c in group.captures if _inductor_computes_into(c.node, group.cat)]
         why = f"estimated peak would not drop ({_mib(before)} -> {_mib(after)})"
         if target.inductor_cost and fused:
             why += (f"; Inductor already computes {len(fused)} of {group.k} captures straight "

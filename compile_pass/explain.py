@@ -29,9 +29,8 @@ import torch
 import torch.fx as fx
 
 from compile_pass.backend import INNERS, AuxCaptureBackend
-from compile_pass.capture_pass import PassResult, run_capture_pass
+from compile_pass.capture_pass import PassResult
 from compile_pass.groups import CaptureGroup, Decision
-from compile_pass.inductor_pass import AuxCapturePass, chain_post_grad_passes
 from compile_pass.liveness import MemoryTimeline
 from compile_pass.rewrite import BUFFER_NAME
 
@@ -96,55 +95,19 @@ def _recorded(result: PassResult, graph: fx.Graph) -> _Recorded:
     return _Recorded(result, _packed_writes(graph))
 
 
-class _EstimatingPass(AuxCapturePass):
-    """``AuxCapturePass`` recording timelines and the packed writes (inductor inner)."""
-
-    def __init__(self, cost_model: bool, results: List[PassResult],
-                 recorded: List[_Recorded]) -> None:
-        super().__init__(cost_model=cost_model, results=results)
-        self.recorded = recorded
-
-    def __call__(self, graph: fx.Graph) -> None:
-        gm: Optional[fx.GraphModule] = graph.owning_module
-        if gm is None:
-            gm = fx.GraphModule({}, graph)
-        result = run_capture_pass(gm, "post_grad", estimate=True, cost_model=self.cost_model)
-        self.results.append(result)
-        self.recorded.append(_recorded(result, gm.graph))
-        trace_pass_result(result)
-
-
 class _ExplainBackend(AuxCaptureBackend):
-    """The aux_capture backend, keeping timelines (``estimate=True``) for every graph."""
+    """The aux_capture backend keeping timelines, packed writes and trace artifacts for
+    every graph, whichever graph its inner rewrites (Inductor's post-grad one included)."""
+
+    _estimate = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.recorded: List[_Recorded] = []
 
-    def _rewrite(self, gm: fx.GraphModule, target: str) -> None:
-        if not self.rewrite:
-            return
-        result = run_capture_pass(gm, target, estimate=True, cost_model=self.cost_model)
-        self.results.append(result)
-        self.recorded.append(_recorded(result, gm.graph))
+    def _on_result(self, result: PassResult, graph: fx.Graph) -> None:
+        self.recorded.append(_recorded(result, graph))
         trace_pass_result(result)
-
-    def _compile_inductor(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> Any:
-        # AuxCaptureBackend._compile_inductor with the recording pass in place of
-        # AuxCapturePass, and Inductor's FX graph cache off (a cache hit skips the pass)
-        import torch._inductor.config as inductor_config
-        from torch._inductor import list_mode_options
-        from torch._inductor.compile_fx import compile_fx
-
-        patches = dict(list_mode_options(self.mode)) if self.mode not in (None, "default") else {}
-        patches.update(self.inductor_options)
-        patches["fx_graph_cache"] = False
-        if self.rewrite:
-            capture_pass = _EstimatingPass(self.cost_model, self.results, self.recorded)
-            existing = patches.get("post_grad_custom_post_pass",
-                                   inductor_config.post_grad_custom_post_pass)
-            patches["post_grad_custom_post_pass"] = chain_post_grad_passes(existing, capture_pass)
-        return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 @contextlib.contextmanager

@@ -35,18 +35,25 @@ def _source_files() -> tuple:
 class AuxCapturePass(CustomGraphPass):
     """Inductor post-grad pass rewriting aux-hidden-state concats into packed buffers."""
 
-    def __init__(self, cost_model: bool = True, results: Optional[List[PassResult]] = None) -> None:
+    def __init__(self, cost_model: bool = True, results: Optional[List[PassResult]] = None,
+                 estimate: bool = False,
+                 on_result: Optional[Callable[[PassResult, fx.Graph], None]] = None) -> None:
         if not isinstance(cost_model, bool):
             raise TypeError(f"cost_model must be a bool, got {cost_model!r}")
         self.cost_model = cost_model
         #: one PassResult per graph the pass ran on (shared with the backend that made it)
         self.results: List[PassResult] = results if results is not None else []
+        self.estimate = estimate  # record memory timelines (does not change the rewrite)
+        self.on_result = on_result  # told of each result with its rewritten graph
 
     def __call__(self, graph: fx.Graph) -> None:
         gm: Optional[fx.GraphModule] = graph.owning_module
         if gm is None:  # a bare graph: give the pass a module to recompile
             gm = fx.GraphModule({}, graph)
-        self.results.append(run_capture_pass(gm, "post_grad", cost_model=self.cost_model))
+        result = run_capture_pass(gm, "post_grad", estimate=self.estimate, cost_model=self.cost_model)
+        self.results.append(result)
+        if self.on_result is not None:
+            self.on_result(result, gm.graph)
 
     def uuid(self) -> bytes:
         return get_hash_for_files(_source_files(), extra=f"cost_model={self.cost_model}")

@@ -24,7 +24,7 @@ from typing import Any, Dict, Hashable, List, Mapping, Optional
 import torch
 import torch.fx as fx
 
-from compile_pass.dataflow import hint, storage_key
+from compile_pass.dataflow import hint, nbytes, storage_key
 
 __all__ = ["Interval", "LivenessModel", "MemoryTimeline", "estimate_memory"]
 
@@ -68,11 +68,8 @@ def _value_tensors(node: fx.Node) -> List[torch.Tensor]:
 def _storage_bytes(t: torch.Tensor) -> int:
     try:
         return hint(t.untyped_storage().nbytes())
-    except (NotImplementedError, RuntimeError):
-        n = 1
-        for s in t.shape:
-            n *= hint(s)
-        return n * t.element_size()
+    except (NotImplementedError, RuntimeError):  # no storage (e.g. a sparse value)
+        return nbytes(t)
 
 
 class LivenessModel:
