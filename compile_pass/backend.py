@@ -26,7 +26,11 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 import torch.fx as fx
 
+from torch._dynamo.utils import counters
+
 from compile_pass.capture_pass import PassResult, run_capture_pass
+from compile_pass.reinplace import reinplace_slice_writes
+from compile_pass.split import SplitGraph, check_split_ops, split_graph
 
 if TYPE_CHECKING:
     from compile_pass.inductor_pass import AuxCapturePass
@@ -35,7 +39,7 @@ __all__ = ["AuxCaptureBackend", "aux_capture", "aux_capture_backend", "INNERS", 
 
 INNERS = ("inductor", "aot_eager", "eager", "cudagraphs")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-_BACKEND_KEYS = ("inner", "rewrite", "cost_model")
+_BACKEND_KEYS = ("inner", "rewrite", "cost_model", "pack_outputs", "split_ops")
 
 CompiledFn = Callable[..., Any]
 Inner = Union[str, Callable[[fx.GraphModule, List[torch.Tensor]], CompiledFn]]
@@ -60,7 +64,11 @@ class AuxCaptureBackend:
     cost_model: bool = True
     mode: Optional[str] = None
     inductor_options: Dict[str, Any] = field(default_factory=dict)
+    pack_outputs: bool = False
+    split_ops: Sequence[str] = ()
     results: List[PassResult] = field(default_factory=list)
+    #: one entry per split graph compiled: (compute pieces, split-op calls)
+    splits: List[SplitGraph] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, str) and self.inner not in INNERS:
@@ -70,7 +78,12 @@ class AuxCaptureBackend:
             )
         if not isinstance(self.inner, str) and not callable(self.inner):
             raise TypeError(f"inner must be a name or a callable, got {type(self.inner).__name__}")
-        for name in ("rewrite", "cost_model"):
+        self.split_ops = check_split_ops(self.split_ops)
+        if self.split_ops and self.inner == "cudagraphs":
+            raise ValueError("split_ops with inner='cudagraphs' is not supported: compile the "
+                             "pieces with inner='inductor' or 'aot_eager' and capture them with "
+                             "compile_pass.cudagraph for piecewise CUDA graphs")
+        for name in ("rewrite", "cost_model", "pack_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"option {name!r} must be a bool, got {getattr(self, name)!r}")
         if self.mode not in MODES:
@@ -106,9 +119,11 @@ class AuxCaptureBackend:
         """Called with each graph's pass result (already in ``results``); a hook for
         subclasses that keep more about the rewritten ``graph``."""
 
-    def _rewrite(self, gm: fx.GraphModule, target: str) -> None:
+    def _rewrite(self, gm: fx.GraphModule, target: str, concat: bool = True,
+                 pack_outputs: bool = False) -> None:
         if self.rewrite:
-            result = run_capture_pass(gm, target, estimate=self._estimate, cost_model=self.cost_model)
+            result = run_capture_pass(gm, target, estimate=self._estimate, cost_model=self.cost_model,
+                                      concat=concat, pack_outputs=pack_outputs)
             self.results.append(result)
             self._on_result(result, gm.graph)
 
@@ -120,17 +135,56 @@ class AuxCaptureBackend:
                               estimate=self._estimate, on_result=self._on_result)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> CompiledFn:
+        if self.split_ops:
+            return self._compile_split(gm, example_inputs)
         if self.inner == "eager":
-            self._rewrite(gm, "dynamo")
+            self._rewrite(gm, "dynamo", pack_outputs=self.pack_outputs)
+            return gm.forward
+        if not isinstance(self.inner, str):
+            self._rewrite(gm, "dynamo_functional", pack_outputs=self.pack_outputs)
+            return self.inner(gm, example_inputs)
+        if self.pack_outputs:
+            # returned captures become slices of one buffer before AOTAutograd (it would
+            # keep training graphs' saved tensors among the outputs); concats are rewritten
+            # later, where the inner's own graph is final
+            self._rewrite(gm, "dynamo_functional", concat=False, pack_outputs=True)
+        return self._compile_piece(gm, example_inputs, rewrite_inside=True)
+
+    def _compile_piece(self, gm: fx.GraphModule, example_inputs: List[Any],
+                       rewrite_inside: bool) -> CompiledFn:
+        """``gm`` compiled by the inner; ``rewrite_inside``: the inner's own graph is rewritten."""
+        if self.inner == "eager":
             return gm.forward
         if self.inner in ("aot_eager", "cudagraphs"):
-            return self._compile_aot(gm, example_inputs)
+            return self._compile_aot(gm, example_inputs, rewrite_inside)
         if self.inner == "inductor":
-            return self._compile_inductor(gm, example_inputs)
-        self._rewrite(gm, "dynamo_functional")
+            return self._compile_inductor(gm, example_inputs, rewrite_inside)
         return self.inner(gm, example_inputs)
 
-    def _compile_inductor(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> CompiledFn:
+    def _compile_split(self, gm: fx.GraphModule, example_inputs: List[Any]) -> CompiledFn:
+        """Rewrite the whole Dynamo graph, split it at ``split_ops``, compile each piece.
+
+        The rewrite comes first so that a buffer allocated in one piece is written by
+        ``write_slice_`` calls in later pieces; the pieces' compilers keep those writes.
+        """
+        from compile_pass.piecewise import compile_pieces, fake_inputs
+
+        inputs = fake_inputs(example_inputs)
+        runs_as_is = self.inner == "eager"
+        self._rewrite(gm, "dynamo" if runs_as_is else "dynamo_functional",
+                      pack_outputs=self.pack_outputs)
+        split = split_graph(gm, self.split_ops)
+        self.splits.append(split)
+        counters["aux_capture"]["split_graphs"] += 1
+        counters["aux_capture"]["pieces"] += split.num_pieces
+        counters["aux_capture"]["split_op_calls"] += len(split.op_pieces)
+        compiled = compile_pieces(
+            split, inputs, lambda piece, piece_inputs: self._compile_piece(piece, piece_inputs,
+                                                                            rewrite_inside=False))
+        return compiled.forward
+
+    def _compile_inductor(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor],
+                          rewrite_inside: bool = True) -> CompiledFn:
         import torch._inductor.config as inductor_config
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
@@ -139,19 +193,24 @@ class AuxCaptureBackend:
 
         patches = dict(list_mode_options(self.mode)) if self.mode not in (None, "default") else {}
         patches.update(self.inductor_options)
-        if self.rewrite:
+        if self.rewrite and rewrite_inside:
             capture_pass = self._capture_pass()
             existing = patches.get("post_grad_custom_post_pass",
                                    inductor_config.post_grad_custom_post_pass)
             patches["post_grad_custom_post_pass"] = chain_post_grad_passes(existing, capture_pass)
         return compile_fx(gm, example_inputs, config_patches=patches)
 
-    def _compile_aot(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> CompiledFn:
+    def _compile_aot(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor],
+                     rewrite_inside: bool = True) -> CompiledFn:
         from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
         from torch._dynamo.backends.common import aot_autograd
 
         def forward_compiler(aot_gm: fx.GraphModule, aot_inputs: Sequence[Any]) -> CompiledFn:
-            self._rewrite(aot_gm, "aot")
+            # writes a Dynamo-graph rewrite put in were functionalized: in place again
+            if reinplace_slice_writes(aot_gm.graph):
+                aot_gm.recompile()
+            if rewrite_inside:
+                self._rewrite(aot_gm, "aot")
             if self.inner == "cudagraphs":
                 return _cudagraph(aot_gm, aot_inputs)
             return make_boxed_func(aot_gm.forward)
@@ -180,14 +239,19 @@ def _cudagraph(gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledFn:
 
 
 def aux_capture_backend(inner: Inner = "inductor", *, rewrite: bool = True, cost_model: bool = True,
-                        mode: Optional[str] = None, **inductor_options: Any) -> AuxCaptureBackend:
+                        mode: Optional[str] = None, pack_outputs: bool = False,
+                        split_ops: Sequence[str] = (), **inductor_options: Any) -> AuxCaptureBackend:
     """The backend as a callable: ``torch.compile(m, backend=aux_capture_backend(inner="eager"))``.
 
     ``rewrite=False``: the same compile with the pass off. ``cost_model=False``: rewrite
     every group that can be rewritten, even where the estimated peak does not drop.
+    ``pack_outputs=True``: captures the graph returns become adjacent slices of one
+    buffer (``pack_aux_hidden_states`` then takes it without a copy).
+    ``split_ops=["ns::op", ...]``: piecewise graphs split at those ops.
     Other keywords are Inductor config options (inductor inner only).
     """
     return AuxCaptureBackend(inner=inner, rewrite=rewrite, cost_model=cost_model, mode=mode,
+                             pack_outputs=pack_outputs, split_ops=split_ops,
                              inductor_options=dict(inductor_options))
 
 
@@ -200,7 +264,10 @@ def backend_from_options(mode: Optional[str] = None,
     inner = options.pop("inner", "inductor")
     rewrite = options.pop("rewrite", True)
     cost_model = options.pop("cost_model", True)
-    return aux_capture_backend(inner, rewrite=rewrite, cost_model=cost_model, mode=mode, **options)
+    pack_outputs = options.pop("pack_outputs", False)
+    split_ops = options.pop("split_ops", ())
+    return aux_capture_backend(inner, rewrite=rewrite, cost_model=cost_model, mode=mode,
+                               pack_outputs=pack_outputs, split_ops=split_ops, **options)
 
 
 def aux_capture(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,

@@ -20,9 +20,9 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from compile_pass.cost import planned_peak
-from compile_pass.dataflow import is_cat, tensor_value
-from compile_pass.find import classify_producer, find_capture_groups
-from compile_pass.groups import CaptureGroup, Decision, Producer, summarize
+from compile_pass.dataflow import is_cat
+from compile_pass.find import classify_producer, find_capture_groups, find_output_groups
+from compile_pass.groups import CaptureGroup, Decision, GroupKind, Producer, summarize
 from compile_pass.liveness import LivenessModel, MemoryTimeline
 from compile_pass.plan import GraphFacts, plan_group
 from compile_pass.rewrite import RewriteError, rewrite_group
@@ -140,7 +140,7 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
     """Plan, trial-rewrite (on a copy) and price one group; accept it if the trial succeeds
     and the estimated peak drops (with ``cost_model=False``: whenever the trial succeeds)."""
     target = state.target
-    packed = tensor_value(group.cat)
+    packed = group.packed_value
     if packed is not None and packed.requires_grad and not target.autograd_free:
         group.reject("the captures require grad: in-place writes into a buffer have no autograd "
                      "formula here; under autograd use inner aot_eager or inductor (rewritten "
@@ -151,7 +151,16 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
         return False
     before = state.peak
     trial: Optional[fx.Graph] = None
-    if target.hoist:
+    if group.kind is GroupKind.OUTPUTS:
+        # the saving is the caller's pack: its concat (all returned values live, plus the
+        # packed copy) becomes a view of the buffer the rewritten graph returns
+        trial = _trial_rewrite(state.gm.graph, group)
+        if trial is None:
+            return False
+        before = max(before, state.liveness.live_bytes()[-1] + group.packed_bytes)
+        trial_live = _liveness(trial, target).live_bytes()
+        after = max(trial_live)
+    elif target.hoist:
         # hoisting moves producers and shortens their inputs' lives: price the rewritten
         # copy itself rather than the original graph's intervals
         trial = _trial_rewrite(state.gm.graph, group)
@@ -199,17 +208,27 @@ def _record(result: PassResult) -> None:
     for key, n in result.counts.items():
         counters["aux_capture"][key] += n
     for g in result.groups:
-        log.info("aux_capture[%s] %s K=%d widths=%s %s: %s: %s", result.target, g.cat.name, g.k,
+        log.info("aux_capture[%s] %s K=%d widths=%s %s: %s: %s", result.target, g.key, g.k,
                  list(g.widths), g.dtype, g.decision.value, g.reason)
 
 
+def _find_groups(gm: fx.GraphModule, concat: bool, pack_outputs: bool) -> List[CaptureGroup]:
+    groups = find_capture_groups(gm) if concat else []
+    if pack_outputs:
+        groups += find_output_groups(gm)
+    return groups
+
+
 def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
-                     estimate: bool = False, cost_model: bool = True) -> PassResult:
+                     estimate: bool = False, cost_model: bool = True,
+                     pack_outputs: bool = False, concat: bool = True) -> PassResult:
     """Rewrite every accepted capture group of ``gm`` (in place); never raises.
 
     ``estimate=True`` also records whole-graph memory timelines before and after, for the
     diff tool. ``cost_model=False`` rewrites every group that can be rewritten, whatever
     the estimate says (for tests and for measuring what the estimate predicts).
+    ``concat``: rewrite concats of captures; ``pack_outputs``: also make captures the
+    graph returns adjacent slices of one buffer (``find_output_groups``).
     """
     if isinstance(target, str):
         target = TARGETS[target]
@@ -220,7 +239,7 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
     try:
         if estimate:
             result.timeline_before = _liveness(gm.graph, target).timeline()
-        groups = find_capture_groups(gm)
+        groups = _find_groups(gm, concat, pack_outputs)
         state: Optional[_GraphState] = None
         graph_changed = False
         i = 0
@@ -238,8 +257,9 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
             rewrite_group(gm.graph, group)
             state, graph_changed = None, True
             # the rewrite replaced nodes: find the remaining groups again on the new graph
-            remaining = {g.cat.name for g in groups[i:]}
-            groups = groups[:i] + [g for g in find_capture_groups(gm) if g.cat.name in remaining]
+            remaining = {g.key for g in groups[i:]}
+            groups = groups[:i] + [g for g in _find_groups(gm, concat, pack_outputs)
+                                   if g.key in remaining]
         if graph_changed:
             gm.recompile()
             result.code_after = gm.code

@@ -18,9 +18,10 @@ import torch.fx as fx
 from compile_pass.dataflow import (
     hint, is_cat, module_location, mutated_inputs, nbytes, source_line, storage_key, tensor_value,
 )
-from compile_pass.groups import Capture, CaptureGroup, Decision, Producer
+from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer
 
-__all__ = ["find_capture_groups", "classify_producer", "aten_packet", "exact_out_variant"]
+__all__ = ["find_capture_groups", "find_output_groups", "classify_producer", "aten_packet",
+           "exact_out_variant"]
 
 _OPERATOR_NAMES = {
     operator.add: "add", operator.sub: "sub", operator.mul: "mul",
@@ -123,7 +124,7 @@ def _group_for(cat: fx.Node, following: Optional[Callable[[fx.Node], Iterable[fx
         cat=cat, captures=[], dim=dim if isinstance(dim, int) else -1,
         shape=tuple(_sym_str(s) for s in out.shape),
         example_shape=tuple(hint(s) for s in out.shape),
-        dtype=out.dtype, device=out.device, packed_bytes=nbytes(out),
+        dtype=out.dtype, device=out.device, packed_bytes=nbytes(out), packed_value=out,
     )
     if not isinstance(dim, int):
         return group.reject(f"concat dim {dim_arg!r} is not a constant int")
@@ -227,6 +228,101 @@ def find_capture_groups(graph_module: fx.GraphModule | fx.Graph) -> List[Capture
                              "number of matmuls and opaque ops): not a cross-layer capture, left "
                              "to the compiler")
             groups.append(group)
+    return groups
+
+
+def _output_values(graph: fx.Graph) -> List[object]:
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    returned = output.args[0] if output.args else ()
+    return list(returned) if isinstance(returned, (list, tuple)) else [returned]
+
+
+def _packable_together(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal leading shape, dtype and device: ``b`` can sit next to ``a`` along the last dim."""
+    return (a.dim() == b.dim() >= 1 and a.dtype == b.dtype and a.device == b.device
+            and [_sym_str(s) for s in a.shape[:-1]] == [_sym_str(s) for s in b.shape[:-1]])
+
+
+def _output_runs(values: List[object]) -> List[List[int]]:
+    """Maximal runs (>= 2) of consecutive returned tensors that can be packed together."""
+    runs: List[List[int]] = []
+    run: List[int] = []
+    for i, item in enumerate(values):
+        value = tensor_value(item)
+        if value is not None and run and _packable_together(tensor_value(values[run[0]]), value):
+            run.append(i)
+            continue
+        if len(run) >= 2:
+            runs.append(run)
+        run = [i] if value is not None and value.dim() >= 1 else []
+    if len(run) >= 2:
+        runs.append(run)
+    return runs
+
+
+def _packed_fake(like: torch.Tensor, shape: List[object], requires_grad: bool) -> torch.Tensor:
+    fake_mode = torch._guards.detect_fake_mode([like])
+    if fake_mode is None:
+        return torch.empty(shape, dtype=like.dtype, device="meta").requires_grad_(requires_grad)
+    with fake_mode:
+        return torch.empty(shape, dtype=like.dtype, device=like.device).requires_grad_(requires_grad)
+
+
+def find_output_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureGroup]:
+    """Groups of captures the graph returns for its caller to pack (``pack_outputs``).
+
+    A group is a maximal run of >= 2 consecutive returned tensors with one leading shape
+    (all dims but the last), dtype and device: the list a model returns. When the run
+    starts with a value deeper than all the others (the model's result returned ahead of
+    its captures, as in ``return hidden_states, aux``), that value is not a capture.
+    Captures are packed along the last dim, in output order.
+    """
+    graph = graph_module.graph if isinstance(graph_module, fx.GraphModule) else graph_module
+    order = list(graph.nodes)
+    output = order[-1]
+    values = _output_values(graph)
+    runs = _output_runs(values)
+    if not runs:
+        return []
+    depth = _layer_depths(order)
+    groups: List[CaptureGroup] = []
+    for run in runs:
+        first_depth = depth.get(values[run[0]], 0)
+        if len(run) > 2 and all(first_depth > depth.get(values[i], 0) for i in run[1:]):
+            run = run[1:]
+        nodes = [values[i] for i in run]
+        first = tensor_value(nodes[0])
+        dim = first.dim() - 1
+        group = CaptureGroup(
+            cat=output, captures=[], dim=dim, shape=(), example_shape=(), dtype=first.dtype,
+            device=first.device, packed_bytes=0, kind=GroupKind.OUTPUTS, output_indices=tuple(run),
+        )
+        offset, width_sum = 0, 0
+        for position, node in enumerate(nodes):
+            width = tensor_value(node).shape[dim]
+            group.captures.append(Capture(
+                node=node, position=position, offset=offset, width=hint(width),
+                producer=classify_producer(node), source=source_line(node),
+            ))
+            offset += hint(width)
+            width_sum = width_sum + width
+        shape = list(first.shape[:-1]) + [width_sum]
+        group.shape = tuple(_sym_str(s) for s in shape)
+        group.example_shape = tuple(hint(s) for s in shape)
+        group.packed_bytes = sum(nbytes(tensor_value(n)) for n in nodes)
+        group.packed_value = _packed_fake(
+            first, shape, any(tensor_value(n).requires_grad for n in nodes))
+        groups.append(group)
+        if not all(_is_static(tensor_value(n).shape[dim]) for n in nodes):
+            group.reject("a returned capture has a symbolic last dim")
+        elif len(set(nodes)) != len(nodes):
+            group.reject("the same value is returned more than once: its outputs must stay one tensor")
+        elif any(c.producer in (Producer.GRAPH_INPUT, Producer.VIEW) for c in group.captures):
+            which = next(c for c in group.captures if c.producer in (Producer.GRAPH_INPUT, Producer.VIEW))
+            group.reject(f"returned value {which.position} ({which.node.name}) is a "
+                         f"{which.producer.value}: returning a copy would change what it aliases")
+        elif not _spans_layers(group, depth):
+            group.reject("all returned values come out of one block: not cross-layer captures")
     return groups
 
 

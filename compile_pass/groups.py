@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx as fx
 
-__all__ = ["Producer", "Strategy", "Decision", "Capture", "CaptureGroup", "summarize"]
+__all__ = ["Producer", "Strategy", "Decision", "GroupKind", "Capture", "CaptureGroup", "summarize"]
 
 
 class Producer(str, Enum):
@@ -39,6 +39,13 @@ class Strategy(str, Enum):
     COMPUTE_INTO = "compute into slice"  # the producer's out= variant writes the slice
     ELIDE_CLONE = "elide clone"  # clone(x) feeding only the capture: copy x into the slice
     COPY = "copy"  # write_slice_ after the producer (or after its last mutation)
+
+
+class GroupKind(str, Enum):
+    """Who reads the captures: a concat in the graph, or the graph's caller."""
+
+    CONCAT = "concat"  # torch.cat(captures, dim) inside the graph
+    OUTPUTS = "outputs"  # the captures are graph outputs; the caller packs them
 
 
 class Decision(str, Enum):
@@ -81,7 +88,13 @@ class Capture:
 
 @dataclass
 class CaptureGroup:
-    """A concat of captures produced at different points of one graph, and its fate."""
+    """Captures produced at different points of one graph, read together, and their fate.
+
+    ``cat`` is the node that reads them all: the concat for ``GroupKind.CONCAT``, the
+    graph's output node for ``GroupKind.OUTPUTS`` (then ``output_indices`` says which
+    returned values are the captures, in order). ``packed_value`` is the (fake) value of
+    the packed result the rewrite allocates.
+    """
 
     cat: fx.Node
     captures: List[Capture]
@@ -96,6 +109,16 @@ class CaptureGroup:
     estimated_peak_before: Optional[int] = None
     estimated_peak_after: Optional[int] = None
     placement: str = ""  # which graph the rewrite targets (dynamo / aot / post_grad)
+    kind: GroupKind = GroupKind.CONCAT
+    output_indices: Tuple[int, ...] = ()  # OUTPUTS: positions of the captures among the outputs
+    packed_value: Optional[torch.Tensor] = None  # fake value of the packed result
+
+    @property
+    def key(self) -> str:
+        """Names the group within its graph (stable across rewrites of other groups)."""
+        if self.kind is GroupKind.OUTPUTS:
+            return f"outputs{list(self.output_indices)}"
+        return self.cat.name
 
     @property
     def widths(self) -> Tuple[int, ...]:
@@ -108,6 +131,8 @@ class CaptureGroup:
     def to_dict(self) -> Dict[str, Any]:
         return {
             "cat": self.cat.name,
+            "kind": self.kind.value,
+            "output_indices": list(self.output_indices),
             "k": self.k,
             "dim": self.dim,
             "widths": list(self.widths),

@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from compile_pass.dataflow import alias_groups, mutated_inputs, source_line, storage_key, tensor_value
 from compile_pass.find import exact_out_variant
-from compile_pass.groups import Capture, CaptureGroup, Decision, Producer, Strategy
+from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Strategy
 
 __all__ = ["GraphFacts", "plan_group"]
 
@@ -66,13 +66,22 @@ class GraphFacts:
         return last
 
 
-def _may_become_a_slice(node: fx.Node, facts: GraphFacts) -> bool:
+def _may_become_a_slice(node: fx.Node, facts: GraphFacts, group: CaptureGroup) -> bool:
     """True if ``node``'s value can live in the packed buffer for the rest of the graph:
     nothing writes it in place after it is produced and it is not itself a graph output
-    (either would make the capture and the packed result share bytes they did not share)."""
+    (either would make the capture and the packed result share bytes they did not share),
+    except as the one returned value of an output group that becomes that slice anyway."""
     if facts.last_mutation(node, facts.position[node], len(facts.nodes)) is not None:
         return False
-    return not any(user.op == "output" for alias in facts.alias_set(node) for user in alias.users)
+    for alias in facts.alias_set(node):
+        for user in alias.users:
+            if user.op != "output":
+                continue
+            returned = user.args[0] if isinstance(user.args[0], (list, tuple)) else [user.args[0]]
+            if not (group.kind is GroupKind.OUTPUTS and alias is node and user is group.cat
+                    and list(returned).count(node) == 1):
+                return False
+    return True
 
 
 def _only_reader_is(node: fx.Node, reader: fx.Node) -> bool:
@@ -128,7 +137,7 @@ def _plan_capture(capture: Capture, group: CaptureGroup, facts: GraphFacts, runs
         return
     if (runs_as_is and capture.producer is Producer.EXACT_ARITHMETIC and not duplicate
             and not cat_mutated and exact_out_variant(node) is not None
-            and _may_become_a_slice(node, facts)):
+            and _may_become_a_slice(node, facts, group)):
         capture.strategy, capture.write_after = Strategy.COMPUTE_INTO, node
         capture.note = "computed straight into its slice by the out= variant"
         return

@@ -2,7 +2,8 @@
 
 Invariant of the rewritten graph: the buffer node ``aux_packed`` is allocated right before
 the group's first write, every capture is written into its slice at its planned write
-point, and every reader of the concat reads the buffer instead. The buffer's values equal
+point, and every reader of the concat reads the buffer instead (an output group: the graph
+returns the buffer's adjacent slices, in order, where it returned the captures). The buffer's values equal
 the concat's bit for bit (writes are copies or correctly rounded recomputations).
 
 New nodes carry fake values (``val`` or ``example_value``, whichever the graph uses), so
@@ -19,7 +20,7 @@ import torch.fx as fx
 import compile_pass.ops  # noqa: F401  (registers compile_pass::write_slice_)
 from compile_pass.dataflow import tensor_value
 from compile_pass.find import exact_out_variant
-from compile_pass.groups import Capture, CaptureGroup, Strategy
+from compile_pass.groups import Capture, CaptureGroup, GroupKind, Strategy
 
 __all__ = ["RewriteError", "rewrite_group", "BUFFER_NAME"]
 
@@ -64,7 +65,7 @@ class _Emitter:
 
 def _size_args(group: CaptureGroup, order: List[fx.Node], stop: int, emit: _Emitter) -> List[Any]:
     """The packed shape as graph values available before position ``stop``."""
-    shape = tensor_value(group.cat).shape
+    shape = group.packed_value.shape
     sizes: List[Any] = []
     for d, size in enumerate(shape):
         if not isinstance(size, torch.SymInt) or size.node.expr.is_number:
@@ -97,6 +98,25 @@ def _insertion(capture: Capture) -> Tuple[fx.Node, bool]:
     return capture.write_after, False
 
 
+def _return_slices(graph: fx.Graph, group: CaptureGroup, buffer: fx.Node, buffer_value: Any,
+                   emit: _Emitter) -> None:
+    """The output node returns adjacent slices of ``buffer`` in place of the captures."""
+    output = group.cat
+    returned = output.args[0]
+    values = list(returned) if isinstance(returned, (list, tuple)) else [returned]
+    dim = group.dim
+    with graph.inserting_before(output):
+        for capture, index in zip(group.captures, group.output_indices):
+            end = capture.offset + capture.width
+            value = emit.fake(lambda: buffer_value.narrow(dim, capture.offset, capture.width))
+            values[index] = emit.node(_SLICE, (buffer, dim, capture.offset, end), {}, value,
+                                      name=f"{BUFFER_NAME}_out", like=capture.node)
+    if isinstance(returned, (list, tuple)):
+        output.args = (type(returned)(values),) + tuple(output.args[1:])
+    else:
+        output.args = (values[0],) + tuple(output.args[1:])
+
+
 def rewrite_group(graph: fx.Graph, group: CaptureGroup) -> fx.Node:
     """Apply a planned group to ``graph`` in place; return the packed buffer node."""
     for capture in group.captures:
@@ -104,8 +124,8 @@ def rewrite_group(graph: fx.Graph, group: CaptureGroup) -> fx.Node:
             capture.hoist_after.append(capture.node)
     order = list(graph.nodes)
     position = {n: i for i, n in enumerate(order)}
-    emit = _Emitter(graph, group.cat)
-    cat_value = tensor_value(group.cat)
+    emit = _Emitter(graph, group.captures[0].node)
+    cat_value = group.packed_value
     dim = group.dim
 
     placed = sorted(
@@ -154,8 +174,11 @@ def rewrite_group(graph: fx.Graph, group: CaptureGroup) -> fx.Node:
         if not before:
             after_cursor[anchor] = last
 
-    group.cat.replace_all_uses_with(buffer)
-    graph.erase_node(group.cat)
+    if group.kind is GroupKind.OUTPUTS:
+        _return_slices(graph, group, buffer, buffer_value, emit)
+    else:
+        group.cat.replace_all_uses_with(buffer)
+        graph.erase_node(group.cat)
     for node in elided:
         if not node.users:
             graph.erase_node(node)
