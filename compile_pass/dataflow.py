@@ -19,7 +19,6 @@ from typing import Any, Dict, Iterable, List, Optional, Set
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "tensor_value",
@@ -73,10 +72,17 @@ def nbytes(t: torch.Tensor) -> int:
     return hinted_numel(t) * t.element_size()
 
 
-def storage_key(t: torch.Tensor) -> Optional[StorageWeakRef]:
-    """Identity of ``t``'s storage: equal keys mean the two values alias."""
+def storage_key(t: torch.Tensor) -> Optional[int]:
+    """Identity of ``t``'s storage: equal keys mean the two values alias.
+
+    The key is the storage's address (what ``StorageWeakRef`` hashes and compares), a
+    plain int so that the dicts and sets of every whole-graph sweep hash it in C. It
+    identifies a storage while that storage is alive, which every value a graph's
+    metadata holds is while the graph is analysed: compare keys of one graph's live
+    values, do not keep them past the values.
+    """
     try:
-        return StorageWeakRef(t.untyped_storage())
+        return t.untyped_storage()._cdata
     except (NotImplementedError, RuntimeError):
         return None
 
@@ -180,9 +186,9 @@ def module_location(node: fx.Node, following: Iterable[fx.Node]) -> str:
     return ""
 
 
-def alias_groups(nodes: Iterable[fx.Node]) -> Dict[StorageWeakRef, Set[fx.Node]]:
+def alias_groups(nodes: Iterable[fx.Node]) -> Dict[int, Set[fx.Node]]:
     """Nodes grouped by the storage their values live in."""
-    groups: Dict[StorageWeakRef, Set[fx.Node]] = {}
+    groups: Dict[int, Set[fx.Node]] = {}
     for node in nodes:
         value = tensor_value(node)
         key = storage_key(value) if value is not None else None
