@@ -66,17 +66,43 @@ TARGETS: Dict[str, Target] = {
 
 @dataclass
 class PassResult:
-    """What one run of the pass did to one graph."""
+    """What one run of the pass did to one graph.
+
+    ``code_before`` / ``code_after`` are the graph's code before and after the pass. Where
+    the pass leaves a graph unchanged and the graph then runs as is (nothing edits it
+    later), the text is generated on first read: for a 7000-node graph that costs about as
+    much as the pass itself.
+    """
 
     target: str
     groups: List[CaptureGroup]
-    code_before: str
-    code_after: str
+    _code_before: Optional[str]
+    _code_after: Optional[str]
     timeline_before: Optional[MemoryTimeline] = None
     timeline_after: Optional[MemoryTimeline] = None
     seconds: float = 0.0
     error: Optional[str] = None
     counts: Dict[str, int] = field(default_factory=dict)
+    _unchanged_graph: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
+
+    @property
+    def code_before(self) -> str:
+        if self._code_before is None:
+            self._code_before = self._unchanged_graph.python_code("self").src
+            self._unchanged_graph = None
+        return self._code_before
+
+    @code_before.setter
+    def code_before(self, code: str) -> None:
+        self._code_before = code
+
+    @property
+    def code_after(self) -> str:
+        return self.code_before if self._code_after is None else self._code_after
+
+    @code_after.setter
+    def code_after(self, code: str) -> None:
+        self._code_after = code
 
     @property
     def changed(self) -> bool:
@@ -233,9 +259,12 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
     if isinstance(target, str):
         target = TARGETS[target]
     start = time.perf_counter()
-    # the graph's own code, not gm.code: earlier passes (Inductor's) may not have recompiled
-    code_before = gm.graph.python_code("self").src
-    result = PassResult(target.name, [], code_before, code_before)
+    # the graph's own code, not gm.code: earlier passes (Inductor's) may not have recompiled;
+    # generated now only for graphs something edits after the pass, else before the first
+    # rewrite or on first read
+    code_before = None if target.runs_as_is else gm.graph.python_code("self").src
+    result = PassResult(target.name, [], code_before, None,
+                        _unchanged_graph=gm.graph if target.runs_as_is else None)
     try:
         if estimate:
             result.timeline_before = _liveness(gm.graph, target).timeline()
@@ -254,6 +283,7 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
             if not _decide(state, group, cost_model):
                 continue
             # the trial on a copy succeeded: the same rewrite on the graph itself
+            _ = result.code_before  # generate the text before the graph's first change
             rewrite_group(gm.graph, group)
             state, graph_changed = None, True
             # the rewrite replaced nodes: find the remaining groups again on the new graph
