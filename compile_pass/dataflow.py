@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Any, Dict, Iterable, List, Optional, Set
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -103,6 +103,19 @@ def _schema_of(node: fx.Node) -> Optional[torch.FunctionSchema]:
     return None
 
 
+#: per schema, the (position, name) of each argument it writes in place
+_WRITTEN_ARGUMENTS: Dict[torch.FunctionSchema, Tuple[Tuple[int, str], ...]] = {}
+
+
+def _written_arguments(schema: torch.FunctionSchema) -> Tuple[Tuple[int, str], ...]:
+    written = _WRITTEN_ARGUMENTS.get(schema)
+    if written is None:
+        written = tuple((i, arg.name) for i, arg in enumerate(schema.arguments)
+                        if arg.alias_info is not None and arg.alias_info.is_write)
+        _WRITTEN_ARGUMENTS[schema] = written
+    return written
+
+
 def _node_args(obj: Any) -> Iterable[fx.Node]:
     if isinstance(obj, fx.Node):
         yield obj
@@ -118,23 +131,16 @@ def mutated_inputs(node: fx.Node) -> List[fx.Node]:
     schema = _schema_of(node)
     if schema is not None:
         mutated: List[fx.Node] = []
-        by_name = dict(node.kwargs)
-        for i, arg in enumerate(schema.arguments):
-            info = arg.alias_info
-            if info is None or not info.is_write:
-                continue
-            value = node.args[i] if i < len(node.args) else by_name.get(arg.name)
+        for i, name in _written_arguments(schema):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
             mutated.extend(_node_args(value))
         return mutated
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    first = [a for a in _node_args(node.args[:1])]
-    out = list(_node_args(node.kwargs.get("out")))
-    if node.target in _INPLACE_OPERATORS:
-        return first + out
-    if isinstance(name, str) and name.endswith("_") and not name.endswith("__"):
-        return first + out
-    if node.kwargs.get("inplace") is True:
-        return first + out
+    out = list(_node_args(node.kwargs["out"])) if "out" in node.kwargs else []
+    if (node.target in _INPLACE_OPERATORS
+            or (isinstance(name, str) and name.endswith("_") and not name.endswith("__"))
+            or node.kwargs.get("inplace") is True):
+        return list(_node_args(node.args[:1])) + out
     return out
 
 

@@ -10,7 +10,7 @@ with a reason, so the diff tool can show them.
 from __future__ import annotations
 
 import operator
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.fx as fx
@@ -167,25 +167,64 @@ def _group_for(cat: fx.Node, following: Optional[Callable[[fx.Node], Iterable[fx
 _LAYER_BOUNDARIES = {Producer.MATMUL, Producer.BATCHED_MATMUL, Producer.CUSTOM_OP}
 
 
+def _may_be_boundary(node: fx.Node, cache: Dict[object, bool]) -> bool:
+    """Whether the op ``node`` calls can be a layer boundary at all, whatever its values:
+    a higher-order op, an op outside aten/prims, a (batched) matmul, or one output of such
+    an op. A cheap superset of ``classify_producer(node) in _LAYER_BOUNDARIES`` (which
+    also rules out views), cached per target: most nodes of a graph call a few ops."""
+    target = node.target
+    if target is operator.getitem:
+        source = node.args[0] if node.args else None
+        return isinstance(source, fx.Node) and source.op == "call_function" \
+            and _may_be_boundary(source, cache)
+    try:
+        return cache[target]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable target: decide without the cache
+        cache = {}
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        result = True
+    elif isinstance(target, torch._ops.OpOverload) and target._schema.name.split("::")[0] not in ("aten", "prims"):
+        result = True
+    elif isinstance(target, torch._ops.OpOverloadPacket) and \
+            target._qualified_op_name.split("::")[0] not in ("aten", "prims"):
+        result = True
+    else:
+        packet = aten_packet(node)
+        result = packet is not None and packet.__name__.split(".")[-1] in _MATMUL | _BATCHED_MATMUL
+    cache[target] = result
+    return result
+
+
 def _layer_depths(order: List[fx.Node]) -> dict:
     """Per node: the longest chain of matmuls and opaque ops it depends on (its "layer").
 
     An in-place write is a dependency too: a value read after a node mutated its storage
-    (a residual updated by a fused add-RMSNorm) depends on that node.
+    (a residual updated by a fused add-RMSNorm) depends on that node. One pass over the
+    graph: each node's storage is looked up once, and only nodes whose op may be a
+    boundary are classified.
     """
     depth: dict = {}
     written_at: dict = {}  # storage -> depth of its latest in-place writer
+    key_of: dict = {}  # node -> storage of its value (None: not a tensor)
+    boundary_ops: Dict[object, bool] = {}
     for n in order:
-        keys = [storage_key(tensor_value(a)) for a in n.all_input_nodes if tensor_value(a) is not None]
-        base = max([depth.get(a, 0) for a in n.all_input_nodes]
-                   + [written_at.get(k, 0) for k in keys if k is not None], default=0)
-        boundary = n.op == "call_function" and classify_producer(n) in _LAYER_BOUNDARIES
+        inputs = n.all_input_nodes
+        base = max([depth.get(a, 0) for a in inputs], default=0)
+        if written_at:
+            base = max([base] + [written_at.get(key_of.get(a), 0) for a in inputs])
+        boundary = (n.op == "call_function" and _may_be_boundary(n, boundary_ops)
+                    and classify_producer(n) in _LAYER_BOUNDARIES)
         depth[n] = base + boundary
+        value = tensor_value(n)
+        key_of[n] = storage_key(value) if value is not None else None
         for mutated in mutated_inputs(n):
-            value = tensor_value(mutated)
-            key = storage_key(value) if value is not None else None
-            if key is not None:
-                written_at[key] = depth[n]
+            if mutated not in key_of:
+                value = tensor_value(mutated)
+                key_of[mutated] = storage_key(value) if value is not None else None
+            if key_of[mutated] is not None:
+                written_at[key_of[mutated]] = depth[n]
     return depth
 
 

@@ -86,9 +86,14 @@ class LivenessModel:
         self.nodes_of: Dict[Hashable, List[fx.Node]] = {}
         born: Dict[Hashable, int] = {}
         size: Dict[Hashable, int] = {}
+        last: Dict[Hashable, int] = {}  # = last_read(key), filled in the same sweep
         preexisting = set()
-        for node in self.nodes:
-            time = 2 * self.position[node]
+        for i, node in enumerate(self.nodes):
+            time = 2 * i
+            read_at = self.end if node.op == "output" else time
+            for arg in node.all_input_nodes:  # node is a user of arg: it reads arg's storages
+                for key in self.keys_of[arg]:
+                    last[key] = read_at
             target = computed_into.get(node)
             keys: List[Hashable] = []
             # the output node allocates nothing (its metadata may even describe values a
@@ -98,6 +103,7 @@ class LivenessModel:
                 key = storage_key(t) or ("object", id(t))
                 keys.append(key)
                 self.nodes_of.setdefault(key, []).append(node)
+                last[key] = max(last.get(key, 0), time)
                 if key in preexisting:
                     continue
                 if key in born:
@@ -108,7 +114,7 @@ class LivenessModel:
                     born[key], size[key] = time, _storage_bytes(t)
             self.keys_of[node] = keys
         self.intervals: Dict[Hashable, Interval] = {
-            key: Interval(size[key], start, self.last_read(key)) for key, start in born.items()
+            key: Interval(size[key], start, last[key]) for key, start in born.items()
         }
         # the unchanged timeline, swept once: pricing a change only adds its difference
         self._base = self._sweep(self.intervals.values())
