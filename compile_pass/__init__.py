@@ -9,12 +9,13 @@ Three ways in:
 import logging
 
 from compile_pass.backend import AuxCaptureBackend, aux_capture_backend
-from compile_pass.capture_pass import PassResult, run_capture_pass
+from compile_pass.capture_pass import PassResult, rewrite_graph, run_capture_pass
 from compile_pass.explain import explain
-from compile_pass.find import find_capture_groups
-from compile_pass.groups import Capture, CaptureGroup, Decision, Producer, Strategy
+from compile_pass.find import find_capture_groups, find_output_groups
+from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Strategy
 from compile_pass.inductor_pass import AuxCapturePass
 from compile_pass.memory import Peak, measure_peak
+from compile_pass.split import SplitGraph, split_graph
 from compile_pass.packer import (
     AuxCaptureError,
     AuxHiddenStateAccumulator,
@@ -32,6 +33,7 @@ __all__ = [
     "Capture",
     "CaptureGroup",
     "Decision",
+    "GroupKind",
     "PassResult",
     "Peak",
     "Producer",
@@ -39,8 +41,12 @@ __all__ = [
     "aux_capture_backend",
     "explain",
     "find_capture_groups",
+    "find_output_groups",
     "measure_peak",
+    "rewrite_graph",
     "run_capture_pass",
+    "split_graph",
+    "SplitGraph",
     "AuxCaptureError",
     "AuxHiddenStateAccumulator",
     "AuxHiddenStateList",

@@ -241,7 +241,7 @@ def _diff(args: argparse.Namespace) -> int:
                 report = explain(model, *inputs, **kwargs)
         else:
             report = explain(model, *inputs, **kwargs)
-    except (NotImplementedError, ModelRunError) as e:
+    except (ValueError, TypeError, ModelRunError) as e:
         raise CliError(str(e)) from e
 
     color = (not args.no_color and "NO_COLOR" not in os.environ

@@ -194,10 +194,10 @@ class AuxCaptureBackend:
         patches = dict(list_mode_options(self.mode)) if self.mode not in (None, "default") else {}
         patches.update(self.inductor_options)
         if self.rewrite and rewrite_inside:
-            capture_pass = self._capture_pass()
             existing = patches.get("post_grad_custom_post_pass",
                                    inductor_config.post_grad_custom_post_pass)
-            patches["post_grad_custom_post_pass"] = chain_post_grad_passes(existing, capture_pass)
+            patches["post_grad_custom_post_pass"] = chain_post_grad_passes(existing,
+                                                                           self._capture_pass())
         return compile_fx(gm, example_inputs, config_patches=patches)
 
     def _compile_aot(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor],

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.fx as fx
 from torch._dynamo.utils import counters
@@ -27,7 +27,7 @@ from compile_pass.liveness import LivenessModel, MemoryTimeline
 from compile_pass.plan import GraphFacts, plan_group
 from compile_pass.rewrite import RewriteError, rewrite_group
 
-__all__ = ["Target", "PassResult", "run_capture_pass", "TARGETS"]
+__all__ = ["Target", "PassResult", "run_capture_pass", "rewrite_graph", "TARGETS"]
 
 log = logging.getLogger("compile_pass")
 
@@ -309,3 +309,24 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
         result.seconds = time.perf_counter() - start
     _record(result)
     return result
+
+
+def rewrite_graph(gm: fx.GraphModule, *, split_ops: Sequence[str] = (), pack_outputs: bool = False,
+                  cost_model: bool = True, runs_as_is: bool = False) -> PassResult:
+    """The pass for a backend that splits and compiles the Dynamo graph itself.
+
+    Call it on the Dynamo graph before splitting it (SGLang's and vLLM's backends split
+    with ``split_module`` and compile each piece): every capture write is a
+    ``compile_pass::write_slice_`` call that declares its mutation, so a buffer allocated
+    in one piece and written in later ones keeps its writes through each piece's
+    functionalization and compiler. ``split_ops`` are only checked here (a warning for an
+    op that does not exist or never appears); ``runs_as_is=True`` (pieces executed node
+    by node, nothing functionalizes them) also allows ``out=`` recomputation into slices.
+    Never raises for a graph it cannot handle: the result says why.
+    """
+    from compile_pass.split import count_split_op_calls
+
+    if split_ops:
+        count_split_op_calls(gm, split_ops)
+    return run_capture_pass(gm, "dynamo" if runs_as_is else "dynamo_functional",
+                            cost_model=cost_model, pack_outputs=pack_outputs)

@@ -13,9 +13,11 @@ from the in-place conventions (trailing underscore, ``out=``, ``inplace=True``,
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
 import os
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -23,6 +25,7 @@ import torch.fx as fx
 __all__ = [
     "tensor_value",
     "hint",
+    "sizes_at",
     "hinted_numel",
     "nbytes",
     "storage_key",
@@ -51,11 +54,45 @@ def tensor_value(node: Any) -> Optional[torch.Tensor]:
     return value if isinstance(value, torch.Tensor) else None
 
 
+#: symbol name -> value, set by ``sizes_at``
+_SIZES_AT: contextvars.ContextVar[Optional[Dict[str, int]]] = contextvars.ContextVar(
+    "compile_pass_sizes_at", default=None)
+
+
+@contextlib.contextmanager
+def sizes_at(values: Mapping[Any, int]) -> Iterator[None]:
+    """Inside the block, ``hint`` evaluates symbolic sizes at ``values`` instead of at their
+    hints: the estimates of a graph traced once (token count symbolic), at other token
+    counts. Keys are sympy symbols or their names (``"s0"``), values ints >= 0. A size whose
+    symbols are not all given keeps its hint.
+    """
+    resolved: Dict[str, int] = {}
+    for symbol, value in values.items():
+        name = symbol if isinstance(symbol, str) else getattr(symbol, "name", None)
+        if not isinstance(name, str):
+            raise TypeError(f"sizes_at keys must be sympy symbols or their names, got {symbol!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"sizes_at: size of {name} must be an int >= 0, got {value!r}")
+        resolved[name] = value
+    token = _SIZES_AT.set(resolved)
+    try:
+        yield
+    finally:
+        _SIZES_AT.reset(token)
+
+
 def hint(size: Any) -> int:
-    """A concrete int for a size: ints as is, SymInts at their hint (the example size)."""
+    """A concrete int for a size: ints as is, SymInts at their hint (the example size), or
+    at the values ``sizes_at`` gives inside its block."""
     if isinstance(size, int):
         return size
     if isinstance(size, torch.SymInt):
+        values = _SIZES_AT.get()
+        if values:
+            expr = size.node.expr
+            symbols = expr.free_symbols
+            if symbols and all(s.name in values for s in symbols):
+                return int(expr.xreplace({s: values[s.name] for s in symbols}))
         return int(size.node.hint if size.node.hint is not None else size.node.shape_env.size_hint(size.node.expr))
     return int(size)
 

@@ -170,7 +170,7 @@ class GraphExplain:
         return names
 
     def concats(self) -> List[str]:
-        return [g.cat.name for g in self.priced_groups]
+        return [g.key for g in self.priced_groups]
 
     @property
     def peak_before(self) -> Optional[int]:
@@ -364,7 +364,7 @@ class ExplainReport:
         runs = list(rows_of.values())
         for run in runs:
             g = run[0][1]
-            cats = [x.cat.name for _, x in run]
+            cats = [x.key for _, x in run]
             sizes = sorted({x.packed_bytes for _, x in run})
             rows.append([
                 _ranges([i for i, _ in run], limit=3),
@@ -491,17 +491,13 @@ def explain(model: Callable[..., Any], *example_inputs: Any, inner: str = "eager
     ``cost_model=False``: rewrite every valid group whatever the estimate says.
     ``measure=True``: also measure the peak of one call (``measure_peak``) compiled with the
     pass off (``rewrite=False``) and on, after a warm-up call each.
-    ``split_ops`` / ``pack_outputs`` (piecewise graphs, captures returned as outputs) are
-    not implemented yet and raise ``NotImplementedError``.
+    ``split_ops``: split the Dynamo graph at those ops (the pass runs on the whole Dynamo
+    graph first; the report notes the pieces). ``pack_outputs``: captures the graph
+    returns become adjacent slices of one buffer (output groups in the report).
 
     Dynamo's caches are reset first (``torch._dynamo.reset()``), so the report shows a
     fresh compile. Raises ``ModelRunError`` when the compiled model raises.
     """
-    if split_ops:
-        raise NotImplementedError("split_ops: piecewise graphs are not implemented yet (issue 4)")
-    if pack_outputs:
-        raise NotImplementedError("pack_outputs: captures returned as graph outputs are not "
-                                  "implemented yet (issue 4)")
     if not isinstance(inner, str) or inner not in INNERS or inner == "cudagraphs":
         raise ValueError(f"unknown inner {inner!r} for explain: expected one of "
                          f"eager, aot_eager, inductor")
@@ -512,7 +508,8 @@ def explain(model: Callable[..., Any], *example_inputs: Any, inner: str = "eager
             getattr(model, "__qualname__", type(model).__name__)
     start = time.perf_counter()
     torch._dynamo.reset()
-    backend = _ExplainBackend(inner=inner, cost_model=cost_model)
+    options = dict(split_ops=tuple(split_ops or ()), pack_outputs=pack_outputs)
+    backend = _ExplainBackend(inner=inner, cost_model=cost_model, **options)
     compiled = torch.compile(model, backend=backend, dynamic=dynamic)
     _run(compiled, example_inputs)
     graphs = [GraphExplain(i, rec.result, rec.writes, rec.notes)
@@ -525,23 +522,29 @@ def explain(model: Callable[..., Any], *example_inputs: Any, inner: str = "eager
         if g.result.timeline_before is None or g.result.timeline_after is None:
             notes.append(f"graph {g.index}: no memory timeline was recorded "
                          f"({g.result.error or 'the pass stopped before estimating'})")
-    if inner == "inductor":
+    for split in backend.splits:
+        calls = ", ".join(f"{name} x{n}" for name, n in split.calls.items())
+        notes.append(f"split into {split.num_pieces} compiled pieces at {calls}; the pass ran "
+                     f"on the whole Dynamo graph before the split")
+        notes.extend(split.warnings)
+    if inner == "inductor" and not split_ops:
         notes.append("inductor: the pass ran on Inductor's post-grad graph; the estimate models "
                      "Inductor computing pointwise/mm producers into the concat, not its "
                      "buffer reuse")
     measured = None
     if measure:
-        measured = _measure(model, example_inputs, inner, dynamic, cost_model, compiled)
+        measured = _measure(model, example_inputs, inner, dynamic, cost_model, compiled, options)
     return ExplainReport(name, inner, dynamic, cost_model, graphs, measured, notes,
                          time.perf_counter() - start)
 
 
 def _measure(model: Callable[..., Any], inputs: Tuple[Any, ...], inner: str, dynamic: bool,
-             cost_model: bool, compiled_with_pass: Callable[..., Any]) -> MeasuredPeaks:
+             cost_model: bool, compiled_with_pass: Callable[..., Any],
+             options: Dict[str, Any]) -> MeasuredPeaks:
     from compile_pass.memory import _device_of, measure_peak
 
     without = torch.compile(model, backend=_ExplainBackend(inner=inner, rewrite=False,
-                                                           cost_model=cost_model),
+                                                           cost_model=cost_model, **options),
                             dynamic=dynamic)
     _run(without, inputs)  # compile (and warm up) outside the measurement
 

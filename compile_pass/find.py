@@ -63,7 +63,9 @@ def classify_producer(node: fx.Node) -> Producer:
     value = tensor_value(node)
     key = storage_key(value) if value is not None else None
     if node.op == "call_function" and node.target is operator.getitem:
-        source = node.args[0]  # one output of a multi-output op
+        source = node.args[0]  # one output of a multi-output op, or tensor indexing
+        if key is not None and tensor_value(source) is not None:
+            return Producer.VIEW if storage_key(tensor_value(source)) == key else Producer.OTHER
         if isinstance(source, fx.Node) and classify_producer(source) is Producer.CUSTOM_OP:
             return Producer.CUSTOM_OP
         inputs = _tensor_inputs(source) if isinstance(source, fx.Node) else []

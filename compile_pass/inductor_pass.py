@@ -22,7 +22,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from compile_pass.capture_pass import PassResult, run_capture_pass
 
-__all__ = ["AuxCapturePass"]
+__all__ = ["AuxCapturePass", "SliceWritesPass"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -62,6 +62,21 @@ class AuxCapturePass(CustomGraphPass):
         return f"AuxCapturePass(cost_model={self.cost_model})"
 
 
+class SliceWritesPass(CustomGraphPass):
+    """Post-grad pass for graphs whose slice writes were put in before AOTAutograd (pieces
+    of a split graph, ``pack_outputs``): each functionalized ``write_slice_`` becomes a
+    ``copy_`` into a slice view of its buffer, so Inductor computes the capture straight
+    into the slice instead of materializing it and calling the op on it."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        from compile_pass.reinplace import reinplace_slice_writes
+
+        reinplace_slice_writes(graph, as_copy=True)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files(_source_files(), extra="slice_writes")
+
+
 class _ChainedPass(CustomGraphPass):
     """Two post-grad passes run in order; its uuid covers both."""
 
@@ -81,7 +96,7 @@ class _ChainedPass(CustomGraphPass):
 
 
 def chain_post_grad_passes(existing: Optional[Callable[[fx.Graph], None]],
-                           capture_pass: AuxCapturePass) -> CustomGraphPass:
+                           capture_pass: CustomGraphPass) -> CustomGraphPass:
     """``capture_pass`` after a post-grad pass the user already configured (if any)."""
     if existing is None:
         return capture_pass

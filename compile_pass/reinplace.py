@@ -32,6 +32,7 @@ log = logging.getLogger("compile_pass")
 
 _WRITE = torch.ops.compile_pass.write_slice_.default
 _COPY = torch.ops.aten.copy_.default
+_SLICE = torch.ops.aten.slice.Tensor
 
 
 def _functional_write_base(node: fx.Node) -> Optional[fx.Node]:
@@ -52,8 +53,28 @@ def _functional_write_base(node: fx.Node) -> Optional[fx.Node]:
     return None
 
 
-def reinplace_slice_writes(graph: fx.Graph) -> int:
-    """Replace undoable functional ``write_slice_`` calls by in-place calls; return how many."""
+def _emit_copy_into_slice(graph: fx.Graph, base: fx.Node, kwargs: dict, meta: dict) -> fx.Node:
+    """``aten.copy_(aten.slice(base, dim, start, start + width), src)`` with fake values."""
+    src, dim, start = kwargs["src"], kwargs["dim"], kwargs["start"]
+    base_value, src_value = base.meta.get("val"), src.meta.get("val")
+    width = src_value.shape[dim]
+    view = graph.call_function(_SLICE, (base, dim, start, start + width))
+    view.meta = dict(meta)
+    view.meta["val"] = base_value.narrow(dim, start, width) if base_value is not None else None
+    copy = graph.call_function(_COPY, (view, src))
+    copy.meta = dict(meta)
+    copy.meta["val"] = view.meta["val"]
+    return copy
+
+
+def reinplace_slice_writes(graph: fx.Graph, as_copy: bool = False) -> int:
+    """Replace undoable functional ``write_slice_`` calls by in-place writes; return how many.
+
+    ``as_copy=False``: the in-place ``write_slice_`` call (graphs run as is).
+    ``as_copy=True``: ``aten.copy_`` into an ``aten.slice`` view of the buffer, which
+    Inductor lowers as one kernel storing the producer's values straight into the slice
+    (for Inductor's post-grad graph).
+    """
     position = {n: i for i, n in enumerate(graph.nodes)}
     done = 0
     for node in list(graph.nodes):
@@ -69,10 +90,14 @@ def reinplace_slice_writes(graph: fx.Graph) -> int:
         if len(results) != len(node.users):
             continue
         kwargs = {k: v for k, v in node.kwargs.items() if not k.startswith("_") and k != "buf"}
+        meta = {k: v for k, v in node.meta.items() if k != "val"}
         with graph.inserting_before(node):
-            write = graph.call_function(_WRITE, (base,), kwargs)
-            write.meta = {k: v for k, v in node.meta.items() if k != "val"}
-            write.meta["val"] = None
+            if as_copy:
+                _emit_copy_into_slice(graph, base, kwargs, meta)
+            else:
+                write = graph.call_function(_WRITE, (base,), kwargs)
+                write.meta = meta
+                write.meta["val"] = None
         for result in results:
             result.replace_all_uses_with(base)
             graph.erase_node(result)

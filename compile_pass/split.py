@@ -25,7 +25,8 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-__all__ = ["SplitGraph", "split_graph", "check_split_ops", "split_op_name", "unknown_split_ops"]
+__all__ = ["SplitGraph", "split_graph", "check_split_ops", "count_split_op_calls", "split_op_name",
+           "unknown_split_ops"]
 
 log = logging.getLogger("compile_pass")
 
@@ -69,15 +70,6 @@ def split_op_name(node: fx.Node) -> Optional[str]:
     return None
 
 
-def _matches(node: fx.Node, split_ops: Sequence[str]) -> bool:
-    name = split_op_name(node)
-    if name is None:
-        return False
-    overload = getattr(node.target, "_overloadname", "")
-    full = f"{name}.{overload}" if overload else name
-    return name in split_ops or full in split_ops
-
-
 @dataclass
 class SplitGraph:
     """A graph split at split-op calls: ``module`` runs the pieces in order."""
@@ -93,37 +85,56 @@ class SplitGraph:
         return len(self.compute_pieces)
 
 
+def _split_op_key(node: fx.Node, split_ops: Sequence[str]) -> Optional[str]:
+    """The entry of ``split_ops`` a node's call matches, if any."""
+    name = split_op_name(node)
+    if name is None:
+        return None
+    if name in split_ops:
+        return name
+    overload = getattr(node.target, "_overloadname", "")
+    full = f"{name}.{overload}" if overload else name
+    return full if full in split_ops else None
+
+
+def count_split_op_calls(gm: fx.GraphModule, split_ops: Sequence[str]) -> Tuple[Dict[str, int], List[str]]:
+    """Calls of each split op in ``gm``, and a warning for each op that does not exist or
+    never appears (logged and issued with ``warnings.warn``)."""
+    split_ops = check_split_ops(split_ops)
+    calls: Dict[str, int] = {name: 0 for name in split_ops}
+    for node in gm.graph.nodes:
+        key = _split_op_key(node, split_ops)
+        if key is not None:
+            calls[key] += 1
+    unknown = set(unknown_split_ops(split_ops))
+    problems = [f"split op {name!r} does not exist (no such registered op)" if name in unknown
+                else f"split op {name!r} never appears in this graph"
+                for name, n in calls.items() if n == 0]
+    for message in problems:
+        log.warning("aux_capture: %s", message)
+        warnings.warn(f"aux_capture: {message}", stacklevel=4)
+    return calls, problems
+
+
 def split_graph(gm: fx.GraphModule, split_ops: Sequence[str]) -> SplitGraph:
     """Split ``gm`` before and after every call to one of ``split_ops`` (original order kept).
 
     With no call to any of them the result has one compute piece (the whole graph).
     """
-    split_ops = check_split_ops(split_ops)
-    problems = [f"split op {name!r} does not exist (no such registered op)"
-                for name in unknown_split_ops(split_ops)]
-    calls: Dict[str, int] = {name: 0 for name in split_ops}
+    calls, problems = count_split_op_calls(gm, split_ops)
     partition_of: Dict[fx.Node, int] = {}
     op_partitions = set()
     partition = 0
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        if _matches(node, split_ops):
-            name = split_op_name(node)
-            overload = getattr(node.target, "_overloadname", "")
-            key = name if name in calls else f"{name}.{overload}"
-            calls[key] += 1
+        if _split_op_key(node, calls) is not None:
             partition += 1
             partition_of[node] = partition
             op_partitions.add(partition)
             partition += 1
         else:
             partition_of[node] = partition
-    problems += [f"split op {name!r} never appears in this graph" for name, n in calls.items()
-                 if n == 0 and name not in unknown_split_ops([name])]
-    for message in problems:
-        log.warning("aux_capture: %s", message)
-        warnings.warn(f"aux_capture: {message}", stacklevel=3)
     split = split_module(gm, gm, lambda node: partition_of[node], keep_original_order=True)
     compute, ops = [], []
     for node in split.graph.nodes:
