@@ -315,7 +315,9 @@ def find_output_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureG
     A group is a maximal run of >= 2 consecutive returned tensors with one leading shape
     (all dims but the last), dtype and device: the list a model returns. When the run
     starts with a value deeper than all the others (the model's result returned ahead of
-    its captures, as in ``return hidden_states, aux``), that value is not a capture.
+    its captures, as in ``return hidden_states, aux``), that value is not a capture; if
+    fewer than 2 values remain (the result and one capture: the other captures may be
+    inputs Dynamo returns itself) the run is no group.
     Captures are packed along the last dim, in output order.
     """
     graph = graph_module.graph if isinstance(graph_module, fx.GraphModule) else graph_module
@@ -329,8 +331,10 @@ def find_output_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureG
     groups: List[CaptureGroup] = []
     for run in runs:
         first_depth = depth.get(values[run[0]], 0)
-        if len(run) > 2 and all(first_depth > depth.get(values[i], 0) for i in run[1:]):
-            run = run[1:]
+        if all(first_depth > depth.get(values[i], 0) for i in run[1:]):
+            run = run[1:]  # the model's result, returned ahead of its captures
+            if len(run) < 2:
+                continue
         nodes = [values[i] for i in run]
         first = tensor_value(nodes[0])
         dim = first.dim() - 1

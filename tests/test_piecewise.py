@@ -109,6 +109,28 @@ def test_output_group_of_a_bare_capture_list_keeps_every_capture():
     assert group.output_indices == (0, 1, 2)
 
 
+def _returns_hidden_then_one_capture_and_an_input(x, w):
+    h = torch.tanh(x @ w)
+    capture = h + x
+    h = torch.tanh(h @ w)
+    return h * 2, [capture, x]  # Dynamo returns x itself: the graph returns (h * 2, capture)
+
+
+def test_output_run_of_the_result_and_one_capture_is_no_group():
+    """Fuzzer regression (return_list, seeds 3, 7, 8, 17 forced): a graph returning its
+    result ahead of a single capture (the other captures were inputs Dynamo returns itself)
+    packed the result with the capture, so they came back sharing storage."""
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    gm = _dynamo_graph(_returns_hidden_then_one_capture_and_an_input, x, w)
+    assert len(next(n for n in gm.graph.nodes if n.op == "output").args[0]) == 2
+    assert find_output_groups(gm) == []
+    backend = aux_capture_backend("eager", pack_outputs=True, cost_model=False)
+    hidden, (capture, same_x) = _compile(_returns_hidden_then_one_capture_and_an_input, backend)(x, w)
+    expect = _returns_hidden_then_one_capture_and_an_input(x, w)
+    assert torch.equal(hidden, expect[0]) and torch.equal(capture, expect[1][0]) and same_x is x
+    assert hidden.untyped_storage().data_ptr() != capture.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("fn, reason", [
     (lambda x, w: (lambda v: [v, torch.tanh(v @ w)])((x @ w).repeat(1, 2)[:, :16]), "is a view"),
     (lambda x, w: (lambda c: [c, c, torch.tanh(c @ w)])(torch.tanh(x @ w) + 1),
