@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
 __all__ = [
+    "CapturedGraph",
     "CudaGraphRunner",
     "StaticInputs",
     "capture_cuda_graph",
@@ -236,18 +237,28 @@ def _check_outputs(outputs: Any, tokens: int, packed: Optional[torch.Tensor], ou
 # --------------------------------------------------------------------------- capture
 
 
+class CapturedGraph(NamedTuple):
+    """A captured CUDA graph, the outputs its replays rewrite, and (when asked) the peak
+    bytes allocated while it was recorded: what its memory pool had to provide."""
+
+    graph: "torch.cuda.CUDAGraph"
+    outputs: Any
+    capture_peak_bytes: Optional[int]
+
+
 def capture_cuda_graph(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None,
                        *, pool: Any = None, stream: Optional["torch.cuda.Stream"] = None,
-                       warmup_iters: int = 3) -> Tuple["torch.cuda.CUDAGraph", Any]:
+                       warmup_iters: int = 3, measure_memory: bool = False) -> CapturedGraph:
     """Warm ``fn(*args, **kwargs)`` up on a side stream, then capture it into a CUDA graph.
 
     As the CUDA-graph docs prescribe: ``warmup_iters`` eager runs on ``stream`` (a side
     stream; lazy initialisation, cuBLAS workspaces and ``torch.compile``'s compilation
     happen there, not during capture), then one capture on the same stream into ``pool``
     (a ``torch.cuda.graph_pool_handle()`` shared by every graph of a runner; None: a
-    private pool). Returns the graph and the outputs of the captured run, whose memory
-    the graph owns: each ``graph.replay()`` recomputes them in place from whatever the
-    ``args`` tensors hold.
+    private pool). The outputs of the captured run live in memory the graph owns: each
+    ``graph.replay()`` recomputes them in place from whatever the ``args`` tensors hold.
+    ``measure_memory=True`` resets the device's peak-memory statistics and records the
+    peak above the bytes allocated when the capture starts.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("capture_cuda_graph needs CUDA")
@@ -261,11 +272,16 @@ def capture_cuda_graph(fn: Callable[..., Any], args: Sequence[Any], kwargs: Opti
             fn(*args, **kwargs)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    start = 0
+    if measure_memory:
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         outputs = fn(*args, **kwargs)
     torch.cuda.synchronize()
-    return graph, outputs
+    peak = torch.cuda.max_memory_allocated() - start if measure_memory else None
+    return CapturedGraph(graph, outputs, peak)
 
 
 class CudaGraphRunner:
@@ -285,19 +301,24 @@ class CudaGraphRunner:
     - ``example_inputs``: one tensor per input, any token count: their dtype, device and
       trailing shape define the static input buffers (values unused).
     - ``packed_width`` and ``packed_dtype``: allocate the static packed buffer
-      ``[max_tokens, packed_width]`` (zeros); or ``packed_out``: a caller-owned buffer
-      ``[>= max_tokens, width]`` to use instead. Neither: no packed buffer, ``fn`` is called
-      without ``out_kwarg`` (outputs then live in the graph pool).
+      ``[max_tokens, packed_width]`` (zeros); or ``packed_out``: a caller-owned contiguous
+      buffer ``[>= max_tokens, width]`` to use instead. Either is marked static for Dynamo
+      (``torch._dynamo.mark_static``), as are the static input buffers. Neither: no packed
+      buffer, ``fn`` is called without ``out_kwarg`` (outputs then live in the graph pool).
     - ``pad_values``: what padded input rows hold (one number, or one per input).
     - ``use_cuda_graphs``: None = on CUDA devices only; False runs ``fn`` directly on the
       same static buffers (the CPU path); True on a non-CUDA device is an error.
     - ``pool``: a ``torch.cuda.graph_pool_handle()`` to share with other runners (a piece
       runner, the draft model's graphs); None creates one shared by this runner's graphs.
     - ``warmup_iters``: eager runs per size before its capture.
+    - ``measure_capture_memory``: record ``capture_peak_bytes[size]`` (resets the device's
+      peak-memory statistics around each capture).
 
     Graphs are captured at construction, largest size first (smaller graphs then reuse the
     pool memory the largest one's intermediates freed). Outputs are views of static
-    memory, valid until the next call of the runner, whatever its size.
+    memory, valid until the next call of the runner, whatever its size: a graph's outputs
+    may sit in blocks that another size's graph uses for intermediates, which is why the
+    graphs may replay in any order under that contract.
     """
 
     def __init__(
@@ -314,6 +335,7 @@ class CudaGraphRunner:
         use_cuda_graphs: Optional[bool] = None,
         pool: Any = None,
         warmup_iters: int = 3,
+        measure_capture_memory: bool = False,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -343,6 +365,10 @@ class CudaGraphRunner:
         self._outputs: Dict[int, Any] = {}
         #: seconds spent warming up and capturing each size
         self.capture_seconds: Dict[int, float] = {}
+        self.measure_capture_memory = bool(measure_capture_memory)
+        #: with ``measure_capture_memory`` (CUDA graphs only): per size, the peak bytes allocated
+        #: while its graph was recorded, above those allocated before (its share of the pool)
+        self.capture_peak_bytes: Dict[int, int] = {}
         self._capture_all()
 
     # ------------------------------------------------------------------ setup
@@ -398,10 +424,13 @@ class CudaGraphRunner:
             try:
                 if self.use_cuda_graphs:
                     with torch.cuda.device(self.device):
-                        graph, outputs = capture_cuda_graph(self.fn, args, kwargs, pool=self.pool,
-                                                            stream=stream, warmup_iters=self.warmup_iters)
-                    self._graphs[tokens] = graph
-                    self._outputs[tokens] = outputs
+                        captured = capture_cuda_graph(self.fn, args, kwargs, pool=self.pool, stream=stream,
+                                                      warmup_iters=self.warmup_iters,
+                                                      measure_memory=self.measure_capture_memory)
+                    self._graphs[tokens] = captured.graph
+                    self._outputs[tokens] = outputs = captured.outputs
+                    if captured.capture_peak_bytes is not None:
+                        self.capture_peak_bytes[tokens] = captured.capture_peak_bytes
                 else:
                     outputs = self.fn(*args, **kwargs)
             except Exception:

@@ -22,7 +22,10 @@ Capture modes (how a model collects its K aux hidden states):
 - ``"list"``: an :class:`~compile_pass.AuxHiddenStateList`; the model ends with
   ``torch.cat(aux, dim=-1)`` (the pattern the compiler pass rewrites).
 - ``"packer"``: an :class:`~compile_pass.AuxHiddenStatePacker`; the model returns
-  ``aux.finalize()`` (the eager fix).
+  ``aux.finalize()`` (the eager fix). ``forward(..., aux_out=buf)`` hands the packer a
+  caller-owned static buffer ``[max_tokens, K * hidden]`` (one buffer shared by every
+  token count, as CUDA-graph runners need): the captures land in ``buf[:T]`` and the
+  model returns that view (docs/cuda-graphs.md).
 - ``"list_out"``: an :class:`~compile_pass.AuxHiddenStateList` returned as a plain Python
   list of the K captures; the caller packs it (``compile_pass.pack_aux_hidden_states``).
 """
@@ -247,13 +250,23 @@ def check_capture_mode(mode: str) -> str:
     return mode
 
 
-def make_aux(mode: str, num_captures: int) -> Optional[AuxAccumulator]:
-    """A fresh accumulator for ``mode``: list/list_out -> AuxHiddenStateList, packer -> packer(K), none -> None."""
+def make_aux(mode: str, num_captures: int, out: Optional[torch.Tensor] = None) -> Optional[AuxAccumulator]:
+    """A fresh accumulator for ``mode``: list/list_out -> AuxHiddenStateList, packer -> packer(K), none -> None.
+
+    ``out`` (packer mode only) is a caller-owned static buffer ``[max_tokens, K * hidden]``
+    shared across token counts: the packer writes ``out[:T]`` and allocates nothing
+    (``AuxHiddenStatePacker(K, out=out)``). Any other mode with ``out`` raises ValueError.
+    """
     check_capture_mode(mode)
+    if out is not None and mode != "packer":
+        raise ValueError(
+            f"aux_out needs capture_mode='packer' (the packer writes out[:tokens]); "
+            f"the model's capture_mode is {mode!r}"
+        )
     if mode == "none":
         return None
     if mode == "packer":
-        return AuxHiddenStatePacker(num_captures)
+        return AuxHiddenStatePacker(num_captures, out=out)
     return AuxHiddenStateList()
 
 

@@ -270,10 +270,15 @@ class LlamaModel(nn.Module):
     def num_captures(self) -> int:
         return len(self.capture_layers)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> ForwardOutput:
-        """``input_ids``, ``positions``: ``[T]`` int64. Returns ``(hidden [T, H], aux)``."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                aux_out: Optional[torch.Tensor] = None) -> ForwardOutput:
+        """``input_ids``, ``positions``: ``[T]`` int64. Returns ``(hidden [T, H], aux)``.
+
+        ``aux_out`` (capture_mode "packer" only): a static ``[max_tokens, K * hidden]``
+        buffer; the captures are written into ``aux_out[:T]`` and ``aux`` is that view.
+        """
         mode = self._capture_mode
-        aux = make_aux(mode, self.num_captures)
+        aux = make_aux(mode, self.num_captures, out=aux_out)
         fused = self.config.capture_producer == "fused_norm"
         hidden_states = self.embed_tokens(input_ids)
         residual: Optional[torch.Tensor] = None
