@@ -314,10 +314,11 @@ def find_output_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureG
 
     A group is a maximal run of >= 2 consecutive returned tensors with one leading shape
     (all dims but the last), dtype and device: the list a model returns. When the run
-    starts with a value deeper than all the others (the model's result returned ahead of
-    its captures, as in ``return hidden_states, aux``), that value is not a capture; if
-    fewer than 2 values remain (the result and one capture: the other captures may be
-    inputs Dynamo returns itself) the run is no group.
+    starts with a value at least as deep as all the others and deeper than some (the
+    model's result returned ahead of its captures, as in ``return hidden_states, aux``; a
+    final norm adds no depth to a last capture of the last layer's output), that value is
+    not a capture; if fewer than 2 values remain (the result and one capture: the other
+    captures may be inputs Dynamo returns itself) the run is no group.
     Captures are packed along the last dim, in output order.
     """
     graph = graph_module.graph if isinstance(graph_module, fx.GraphModule) else graph_module
@@ -331,7 +332,8 @@ def find_output_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureG
     groups: List[CaptureGroup] = []
     for run in runs:
         first_depth = depth.get(values[run[0]], 0)
-        if all(first_depth > depth.get(values[i], 0) for i in run[1:]):
+        rest = [depth.get(values[i], 0) for i in run[1:]]
+        if first_depth >= max(rest) and first_depth > min(rest):
             run = run[1:]  # the model's result, returned ahead of its captures
             if len(run) < 2:
                 continue

@@ -125,10 +125,39 @@ def test_output_run_of_the_result_and_one_capture_is_no_group():
     assert len(next(n for n in gm.graph.nodes if n.op == "output").args[0]) == 2
     assert find_output_groups(gm) == []
     backend = aux_capture_backend("eager", pack_outputs=True, cost_model=False)
-    hidden, (capture, same_x) = _compile(_returns_hidden_then_one_capture_and_an_input, backend)(x, w)
+    compiled = torch.compile(_returns_hidden_then_one_capture_and_an_input, backend=backend,
+                             fullgraph=True, dynamic=False)  # static widths: packable
+    hidden, (capture, same_x) = compiled(x, w)
     expect = _returns_hidden_then_one_capture_and_an_input(x, w)
     assert torch.equal(hidden, expect[0]) and torch.equal(capture, expect[1][0]) and same_x is x
+    assert not [g for r in backend.results for g in r.groups]
     assert hidden.untyped_storage().data_ptr() != capture.untyped_storage().data_ptr()
+
+
+def _returns_hidden_as_deep_as_its_last_capture(x, w):
+    aux, h = [], x
+    for _ in range(3):
+        h = torch.tanh(h @ w)
+        aux.append(h + x)  # the last capture is the last layer's output
+    return h * 2, aux  # h * 2: as many matmuls deep as aux[-1] (a norm is no matmul either)
+
+
+def test_output_group_skips_a_result_as_deep_as_the_last_capture():
+    """Fuzzer regression (return_list, e.g. seeds 36, 46, 68 forced): a result no deeper
+    than the deepest capture was packed with the captures and returned sharing their buffer."""
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    gm = _dynamo_graph(_returns_hidden_as_deep_as_its_last_capture, x, w)
+    (group,) = find_output_groups(gm)
+    assert group.output_indices == (1, 2, 3) and group.decision is Decision.FOUND
+    backend = aux_capture_backend("eager", pack_outputs=True, cost_model=False)
+    compiled = torch.compile(_returns_hidden_as_deep_as_its_last_capture, backend=backend,
+                             fullgraph=True, dynamic=False)  # static widths: packable
+    hidden, aux = compiled(x, w)
+    expect = _returns_hidden_as_deep_as_its_last_capture(x, w)
+    assert torch.equal(hidden, expect[0]) and all(map(torch.equal, aux, expect[1]))
+    assert [g.decision for r in backend.results for g in r.groups] == [Decision.REWRITE]
+    assert len({a.untyped_storage().data_ptr() for a in aux}) == 1  # packed
+    assert hidden.untyped_storage().data_ptr() != aux[0].untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("fn, reason", [
