@@ -1,0 +1,136 @@
+"""Static peak estimates of real-size models: fake tensors only, no real memory.
+
+Build the model on the meta device (``with torch.device("meta"): model = ...``) and give it
+meta inputs: ``trace_graph`` compiles it with the aux_capture backend whose pass is replaced
+by a recorder, so Dynamo traces it with fake tensors, the token dim symbolic, and the graph
+the pass would rewrite is kept as it is: the Dynamo graph (inner ``eager``, target
+``dynamo``) or AOTAutograd's forward graph (inner ``aot_eager``, target ``aot``).
+
+``estimate_at`` then runs the pass itself (``run_capture_pass(..., estimate=True)``) on a
+copy of that graph for each token count, the symbolic token count evaluated at that count
+(``dataflow.sizes_at``): the liveness estimator and cost model the backend uses, at sizes
+that would not fit in this machine's memory. One trace serves every token count.
+
+What the estimate is (``liveness.py``): live bytes of the graph's own values, inputs and
+weights counted as 0 (``measure_peak``'s baseline). Anything an op allocates inside itself
+(attention and MoE kernels' workspaces, a KV cache) is not in the graph and not counted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.fx as fx
+
+from compile_pass.backend import AuxCaptureBackend
+from compile_pass.capture_pass import copy_graph, run_capture_pass
+from compile_pass.dataflow import sizes_at
+from compile_pass.groups import Decision
+from compile_pass.liveness import estimate_memory
+
+__all__ = ["StaticEstimate", "trace_graph", "token_symbols", "estimate_at", "graph_peak_at"]
+
+_INNER_TARGETS = {"eager": "dynamo", "aot_eager": "aot"}
+
+
+@dataclass
+class _RecordingBackend(AuxCaptureBackend):
+    """The aux_capture backend with its pass replaced by a recorder of (graph, target)."""
+
+    graphs: List[Tuple[fx.GraphModule, str]] = field(default_factory=list)
+
+    def _rewrite(self, gm: fx.GraphModule, target: str, *args: Any, **kwargs: Any) -> None:
+        self.graphs.append((gm, target))
+
+
+def trace_graph(model: torch.nn.Module, *inputs: torch.Tensor,
+                inner: str = "eager") -> Tuple[fx.GraphModule, str]:
+    """The graph the pass would rewrite under ``inner`` and its target name.
+
+    Dim 0 of every tensor input is marked dynamic (the token count). ``model`` and
+    ``inputs`` may live on the meta device: Dynamo traces with fake tensors, and the
+    compiled graph then runs once on the meta inputs, allocating nothing. Raises
+    ValueError for an inner other than ``eager``/``aot_eager``, RuntimeError unless the
+    model compiles to exactly one graph.
+    """
+    if inner not in _INNER_TARGETS:
+        raise ValueError(f"trace_graph: inner must be one of {', '.join(_INNER_TARGETS)}, got {inner!r}")
+    backend = _RecordingBackend(inner=inner)
+    torch._dynamo.reset()
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            torch._dynamo.mark_dynamic(t, 0)
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    if len(backend.graphs) != 1:
+        raise RuntimeError(f"trace_graph: expected one graph for the pass, got {len(backend.graphs)}")
+    return backend.graphs[0]
+
+
+def token_symbols(gm: fx.GraphModule, tokens: int) -> Set[str]:
+    """Names of the symbols in the graph inputs' shapes whose example value is ``tokens``."""
+    names: Set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("val", node.meta.get("example_value"))
+        sizes = list(value.shape) if isinstance(value, torch.Tensor) else [value]
+        for size in sizes:
+            if isinstance(size, torch.SymInt) and size.node.hint == tokens:
+                names |= {s.name for s in size.node.expr.free_symbols}
+    return names
+
+
+@dataclass
+class StaticEstimate:
+    """The pass on one graph at one token count: estimated peaks before and after."""
+
+    tokens: int
+    peak_before: int  # the graph as traced (list path)
+    peak_after: int  # after the pass (== peak_before where nothing was rewritten)
+    changed: bool
+    decisions: List[str]
+    pass_seconds: float
+    error: Optional[str] = None
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    graph, _ = copy_graph(gm.graph)
+    return fx.GraphModule(gm, graph)
+
+
+def graph_peak_at(gm: fx.GraphModule, traced_tokens: int, tokens: int) -> int:
+    """Estimated peak bytes of ``gm`` (unchanged) at ``tokens`` tokens."""
+    with sizes_at({name: tokens for name in token_symbols(gm, traced_tokens)}):
+        return estimate_memory(gm.graph).peak_bytes
+
+
+def estimate_at(gm: fx.GraphModule, target: str, traced_tokens: int, tokens: Sequence[int],
+                cost_model: bool = True) -> List[StaticEstimate]:
+    """Run the pass on a copy of ``gm`` at each token count; ``gm`` is left unchanged.
+
+    ``traced_tokens``: the token count the graph was traced with (it names the symbol to
+    evaluate). Raises ValueError if no input shape has that symbolic size.
+    """
+    names = token_symbols(gm, traced_tokens)
+    if not names:
+        raise ValueError(f"no graph input has a symbolic size with example value {traced_tokens}: "
+                         f"trace with the token dim dynamic (trace_graph does)")
+    estimates: List[StaticEstimate] = []
+    for n in tokens:
+        copy = _copy(gm)
+        with sizes_at({name: n for name in names}):
+            start = time.perf_counter()
+            result = run_capture_pass(copy, target, estimate=True, cost_model=cost_model)
+            seconds = time.perf_counter() - start
+        if result.timeline_before is None or result.timeline_after is None:
+            raise RuntimeError(f"the pass recorded no timeline at {n} tokens: {result.error}")
+        decisions = [f"{g.key} K={g.k}: {g.decision.value}: {g.reason}"
+                     for g in result.groups if g.k > 2 or g.decision is Decision.REWRITE]
+        estimates.append(StaticEstimate(n, result.timeline_before.peak_bytes,
+                                        result.timeline_after.peak_bytes, result.changed,
+                                        decisions, seconds, result.error))
+    return estimates
