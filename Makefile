@@ -6,7 +6,7 @@ PYTHON    := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 N         ?= 1000
 
-.PHONY: demo test bench fuzz gpu-check clean
+.PHONY: demo test bench scale fuzz gpu-check clean
 
 $(VENV)/.installed-%: pyproject.toml
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ test: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test
 	PYTHONPATH=. $(PYTHON) benchmarks/capture_memory.py --out bench-results/capture_memory.json
+
+# Real-size estimates (meta device: nothing allocated) and the pass's own time (docs/scale.md)
+scale: $(VENV)/.installed-test
+	PYTHONPATH=. $(PYTHON) benchmarks/real_size_estimates.py --out bench-results/real_size_estimates.json
+	PYTHONPATH=. $(PYTHON) benchmarks/pass_speed.py --out bench-results/pass_speed.json
 
 fuzz: $(VENV)/.installed-test
 	PYTHONPATH=. $(PYTHON) -m pytest -q tests/test_fuzz.py --fuzz-cases $(N)
