@@ -18,7 +18,7 @@ $(VENV)/.installed-%: pyproject.toml
 demo: $(VENV)/.installed-test
 	PYTHONPATH=. $(PYTHON) examples/quickstart.py
 
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test,hf
 	$(PYTHON) -m pytest -q
 
 bench: $(VENV)/.installed-test
