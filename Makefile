@@ -4,6 +4,7 @@ VENV      ?= .venv
 PIP       := $(VENV)/bin/pip
 PYTHON    := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
+HF_PIN    ?= transformers==5.24.0
 N         ?= 1000
 
 .PHONY: demo test bench scale fuzz gpu-check clean
@@ -11,7 +12,7 @@ N         ?= 1000
 $(VENV)/.installed-%: pyproject.toml
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip >/dev/null
-	$(PIP) install -q "$(TORCH_PIN)" numpy
+	$(PIP) install -q "$(TORCH_PIN)" numpy $(if $(findstring hf,$*),"$(HF_PIN)")
 	$(PIP) install -q -e ".[$*]"
 	@touch $@
 
