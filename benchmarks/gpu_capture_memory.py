@@ -12,7 +12,8 @@ captures) and ``dflash`` (K=5). Per model and token count, in one process, side 
   packer;
 - ``inductor-ro``: the inductor inner with ``mode="reduce-overhead"`` (cudagraph trees);
 - ``runner``: ``compile_pass.cudagraph.CudaGraphRunner`` capturing one CUDA graph at the
-  token count: module list path, the pass (eager inner), the static buffer.
+  token count around the ``eager`` execution's compiled model (the aux_capture backend's
+  eager inner, i.e. the Dynamo graph run as is, rewritten for ``list+pass``).
 
 One compile per (execution, variant) serves every token count (dynamic shapes). Order:
 the executions without Inductor for every model, then each model's Inductor executions,
@@ -42,7 +43,6 @@ The JSON is rewritten after every row.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -176,7 +176,7 @@ class Bench:
         """The callable of one (execution, variant) and its aux_capture backend (or None)."""
         model.capture_mode = {"none": "none", "list": "list", "list+pass": "list",
                               "packer": "packer", "packer+aux_out": "packer"}[variant]
-        if execution in ("module", "runner") and variant != "list+pass":
+        if execution == "module":
             return model, None
         inner = {"eager": "eager", "aot_eager": "aot_eager", "inductor": "inductor",
                  "inductor-ro": "inductor", "runner": "eager"}[execution]
