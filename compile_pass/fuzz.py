@@ -35,6 +35,19 @@ mutating custom op that also mutates the input at layer 0), the concat's spellin
 ``.default``, a mutation of the concat's result, a capture read after the cat, and a second
 concat (early or late, optionally over a slice of the first one's result).
 
+Two knobs exercise backend options (drawn last, ~0.25 each, so older seeds keep every other
+field; ``CaseSpec.with_knobs`` forces them):
+
+- ``return_list``: the module returns ``(h, *aux)`` (the captures in ``cat_order``, no
+  concat) and is compiled with ``pack_outputs=True``; the returned captures may come back
+  as adjacent slices of one buffer, so the aliasing check exempts pairs of them (and
+  nothing else). The knobs of the packed tensor (``mutate_packed``, ``extra_cat``) are off.
+- ``split``: the module calls the functional ``cp_fuzz::barrier`` (``h.clone()``) after
+  every layer and is compiled with ``split_ops=["cp_fuzz::barrier"]``: captures and the
+  concat land in different pieces. A split that misses a barrier is an anomaly.
+
+Both compiles of a case (with and without the pass) use the same backend options.
+
 Replay one case: ``run_case(random_spec(seed), "aot_eager")``. Fuzz from the shell::
 
     python -m compile_pass.fuzz --cases 300 --inners eager,aot_eager --inductor-every 50
@@ -49,7 +62,7 @@ import sys
 import time
 import traceback
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -57,12 +70,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from compile_pass.backend import aux_capture_backend
-from compile_pass.groups import Decision
+from compile_pass.groups import Decision, GroupKind
 
 __all__ = [
     "KINDS",
     "VARIANTS",
     "DTYPES",
+    "SPLIT_OP",
     "CaptureSpec",
     "CaseSpec",
     "CaseResult",
@@ -106,6 +120,17 @@ RESIDUAL_MODES = ("functional", "inplace", "fused_op")
 #: how the concat is spelled (all become ``aten.cat`` after AOTAutograd)
 CAT_FNS = ("cat", "cat_positional", "cat_tensors_kw", "concat", "concatenate")
 
+#: the op a ``split`` case calls after every layer (``h.clone()``), and splits its graph at
+SPLIT_OP = "cp_fuzz::barrier"
+
+#: knobs of the packed tensor, off in ``return_list`` cases (they return no packed tensor)
+_NO_PACKED_KNOBS = dict(mutate_packed=False, extra_cat=None, extra_late=False, extra_packed_view=False)
+
+#: the chance ``random_spec`` draws ``return_list`` (kept only where no knob of the packed
+#: tensor is on: ~0.77 of cases, so ~0.25 in all) and ``split``
+RETURN_LIST_DRAW = 1 / 3
+SPLIT_DRAW = 0.25
+
 
 # --------------------------------------------------------------------------- custom ops
 
@@ -114,7 +139,8 @@ def _register_ops() -> None:
     """Custom ops of the generated modules, registered once per process: the functional
     ``cp_fuzz::scale`` and two-output ``cp_fuzz::scale_pair`` (opaque layer boundaries for the
     pass's depth check), the mutating ``cp_fuzz::add_one_`` (a mutation known only from the
-    schema) and ``cp_fuzz::add_norm_`` (an SGLang-style fused add-norm, mutating h and r)."""
+    schema), ``cp_fuzz::add_norm_`` (an SGLang-style fused add-norm, mutating h and r) and the
+    functional ``cp_fuzz::barrier`` (``h.clone()``: where ``split`` cases split the graph)."""
     if hasattr(torch.ops.cp_fuzz, "scale"):
         return
 
@@ -141,6 +167,14 @@ def _register_ops() -> None:
     @add_one_.register_fake
     def _(x: torch.Tensor) -> None:
         return None
+
+    @torch.library.custom_op("cp_fuzz::barrier", mutates_args=())
+    def barrier(h: torch.Tensor) -> torch.Tensor:
+        return h.clone()
+
+    @barrier.register_fake
+    def _(h: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(h)
 
     @torch.library.custom_op("cp_fuzz::add_norm_", mutates_args=("h", "r"))
     def add_norm_(h: torch.Tensor, r: torch.Tensor) -> None:
@@ -201,6 +235,32 @@ class CaseSpec:
     extra_cat: Optional[Tuple[int, ...]] = None  # a second concat of these captures, also returned
     extra_late: bool = False  # the second concat comes after the post-cat mutations
     extra_packed_view: bool = False  # the second concat also takes a slice of the first's result
+    return_list: bool = False  # return (h, *aux) (no concat) and compile with pack_outputs=True
+    split: bool = False  # cp_fuzz::barrier after every layer; compile with split_ops at it
+
+    def __post_init__(self) -> None:
+        if self.return_list and (self.mutate_packed or self.extra_cat is not None):
+            raise ValueError(
+                f"seed {self.seed}: return_list returns the captures without a concat, so the "
+                f"knobs of the packed tensor must be off (mutate_packed={self.mutate_packed}, "
+                f"extra_cat={self.extra_cat}); use spec.with_knobs(return_list=True)")
+
+    def with_knobs(self, return_list: Optional[bool] = None, split: Optional[bool] = None) -> "CaseSpec":
+        """This case with ``return_list`` / ``split`` forced (None: kept); forcing
+        ``return_list`` on also turns off the knobs of the packed tensor it no longer has."""
+        spec = self
+        if return_list is not None:
+            spec = replace(spec, return_list=return_list,
+                           **(_NO_PACKED_KNOBS if return_list else {}))
+        if split is not None:
+            spec = replace(spec, split=split)
+        return spec
+
+    @property
+    def backend_options(self) -> Dict[str, Any]:
+        """``aux_capture_backend`` options of this case (both compiles of a case use them)."""
+        return dict(pack_outputs=self.return_list,
+                    split_ops=[SPLIT_OP] if self.split else [])
 
     @property
     def shape(self) -> Tuple[int, ...]:
@@ -232,7 +292,7 @@ class CaseSpec:
         return tuple(shape)
 
     def _uses_custom_ops(self) -> bool:
-        return self.residual == "fused_op" or any(
+        return self.residual == "fused_op" or self.split or any(
             c.kind == "custom_op" or c.variant in ("custom",) or c.variant.endswith(":custom_")
             for c in self.captures)
 
@@ -246,7 +306,7 @@ class CaseSpec:
             parts.append(f"order={list(self.cat_order)}")
         if self.residual != "functional":
             parts.append(f"residual={self.residual}")
-        if self.cat_fn != "cat":
+        if self.cat_fn != "cat" and not self.return_list:
             parts.append(f"cat_fn={self.cat_fn}")
         if self.op_call != "packet" and self._uses_custom_ops():
             parts.append(f"op_call={self.op_call}")
@@ -257,6 +317,10 @@ class CaseSpec:
         if self.extra_cat is not None:
             parts.append(f"extra_cat={list(self.extra_cat)}" + ("+packed_view" if self.extra_packed_view
                                                               else "") + (",late" if self.extra_late else ""))
+        if self.return_list:
+            parts.append("return_list")
+        if self.split:
+            parts.append("split")
         return " ".join(parts)
 
 
@@ -324,7 +388,7 @@ def random_spec(seed: int) -> CaseSpec:
     if rng.random() < 0.15:
         extra_view = rng.random() < 0.5
         extra = tuple(rng.sample(range(k), rng.randint(1 if extra_view else 2, k)))
-    return CaseSpec(
+    fields = dict(
         seed=seed, layers=layers, dtype=dtype, leading=leading, tokens=tokens, hidden=hidden,
         batch=batch, cat_dim=cat_dim, captures=tuple(captures), cat_order=tuple(order),
         residual=rng.choices(RESIDUAL_MODES, weights=[6, 2, 2])[0],
@@ -336,6 +400,12 @@ def random_spec(seed: int) -> CaseSpec:
         extra_late=extra is not None and rng.random() < 0.5,
         extra_packed_view=extra_view,
     )
+    # the newest knobs last, so that every seed keeps the fields drawn above; both are drawn
+    # in every case (one stream for all seeds), return_list kept only where it fits
+    return_list = rng.random() < RETURN_LIST_DRAW
+    split = rng.random() < SPLIT_DRAW
+    return_list = return_list and not fields["mutate_packed"] and fields["extra_cat"] is None
+    return CaseSpec(**fields, return_list=return_list, split=split)
 
 
 # --------------------------------------------------------------------------- the module
@@ -537,13 +607,19 @@ class FuzzDecoder(nn.Module):
                 else:
                     r = r + h
                 h = torch.tanh(layer(r))
+            if spec.split:  # where the backend splits the graph (split_ops)
+                h = self._op("barrier")(h)
         for i, c in enumerate(spec.captures):
             if c.kind == "mutated_after" and c.mutate_layer == spec.layers:
                 self._mutate(i, caps[i], h, c.variant.split(":")[1], state)
 
         aux = [caps[i] for i in spec.cat_order]
-        packed = self._cat(aux)
-        outputs = [None, packed]
+        if spec.return_list:  # the captures returned for the caller to pack (pack_outputs)
+            packed = None
+            outputs = [None, *aux]
+        else:
+            packed = self._cat(aux)
+            outputs = [None, packed]
         if spec.extra_cat is not None and not spec.extra_late:
             outputs.append(self._extra_cat(caps, packed))
         if spec.mutate_packed:
@@ -587,6 +663,12 @@ class CaseResult:
     strategies: List[str] = field(default_factory=list)  # per capture of rewritten groups
     pass_errors: List[str] = field(default_factory=list)  # exceptions the pass contained
     anomalies: List[str] = field(default_factory=list)  # pass reports that contradict the spec
+    outputs_rewritten: int = 0  # of ``rewritten``: output groups (return_list cases)
+    outputs_rejected: int = 0  # of ``rejected``: output groups
+    pieces: List[int] = field(default_factory=list)  # compute pieces per split graph (split cases)
+    #: output pairs sharing storage in the compiled module only (allowed: returned captures
+    #: packed by pack_outputs)
+    aliased: List[Tuple[int, int]] = field(default_factory=list)
     detail: str = ""  # what differed
     baseline: str = ""  # on failure: the same compile with rewrite=False ("ok" / what failed)
     seconds: float = 0.0
@@ -667,12 +749,16 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 
 def _compiled_run(module: nn.Module, inputs: Sequence[torch.Tensor], inner: str, rewrite: bool,
-                  cost_model: bool, inductor_options: Optional[Dict[str, Any]] = None):
-    """(outputs, inputs after the run, backend) of one fresh compile; raises what it raises."""
+                  cost_model: bool, inductor_options: Optional[Dict[str, Any]] = None,
+                  backend_options: Optional[Dict[str, Any]] = None):
+    """(outputs, inputs after the run, backend) of one fresh compile; raises what it raises.
+
+    ``backend_options``: ``pack_outputs`` / ``split_ops`` (``CaseSpec.backend_options``)."""
     torch._dynamo.reset()
     options = dict(INDUCTOR_OPTIONS if inductor_options is None else inductor_options) \
         if inner == "inductor" else {}
-    backend = aux_capture_backend(inner, rewrite=rewrite, cost_model=cost_model, **options)
+    backend = aux_capture_backend(inner, rewrite=rewrite, cost_model=cost_model,
+                                  **(backend_options or {}), **options)
     _LAST_BACKEND[:] = [backend]
     args = _clone_inputs(inputs)
     compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
@@ -694,13 +780,24 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:500]
 
 
-def _compare(out, args, ref_out, ref_args) -> Optional[str]:
+def _compare(out, args, ref_out, ref_args, packed_outputs: Sequence[int] = ()) -> Optional[str]:
+    """None if outputs and inputs after the run are bitwise equal and no two outputs share
+    storage that the reference's do not; ``packed_outputs``: output positions that may share
+    storage with each other (the captures a ``pack_outputs`` compile returns as adjacent
+    slices of one buffer), and with nothing else."""
     diff = _difference(out, ref_out, "output") or _difference(args, ref_args, "input after run")
     if diff is None:
-        extra = _aliasing(out) - _aliasing(ref_out)
+        packed = set(packed_outputs)
+        extra = {(i, j) for i, j in _aliasing(out) - _aliasing(ref_out)
+                 if not (i in packed and j in packed)}
         if extra:
             diff = f"outputs {sorted(extra)} share storage in the compiled module only"
     return diff
+
+
+def _packed_outputs(spec: CaseSpec) -> Tuple[int, ...]:
+    """Output positions of the returned captures (``return_list``): ``(h, *aux)``."""
+    return tuple(range(1, 1 + len(spec.cat_order))) if spec.return_list else ()
 
 
 def _packed_shape(spec: CaseSpec) -> Tuple[int, ...]:
@@ -711,6 +808,8 @@ def _packed_shape(spec: CaseSpec) -> Tuple[int, ...]:
 
 def _anomalies(spec: CaseSpec, group: Any) -> List[str]:
     """Facts the pass got wrong about the spec's main concat (its shape and K identify it)."""
+    if group.kind is not GroupKind.CONCAT:
+        return []
     inputs = group.cat.args[0] if group.cat.args else group.cat.kwargs.get("tensors", ())
     if tuple(group.example_shape) != _packed_shape(spec) or len(inputs) != len(spec.cat_order):
         return []
@@ -735,7 +834,7 @@ def run_case(spec: CaseSpec, inner: str, cost_model: bool = False,
         if inner == "inductor":
             try:
                 ref_out, ref_args, _ = _compiled_run(module, inputs, inner, False, cost_model,
-                                                     inductor_options)
+                                                     inductor_options, spec.backend_options)
             except Exception as e:  # noqa: BLE001
                 result.compile_error = f"reference (rewrite=False) failed: {_error(e)}"
                 result.baseline = "failed too (reference)"
@@ -745,13 +844,15 @@ def run_case(spec: CaseSpec, inner: str, cost_model: bool = False,
             ref_args = _clone_inputs(inputs)
             ref_out = tuple(module(*ref_args))
         try:
-            out, args, _ = _compiled_run(module, inputs, inner, True, cost_model, inductor_options)
+            out, args, _ = _compiled_run(module, inputs, inner, True, cost_model, inductor_options,
+                                         spec.backend_options)
         except Exception as e:  # noqa: BLE001
             result.compile_error = _error(e)
             out = None
         backend = _LAST_BACKEND[0]
         if out is not None:
-            diff = _compare(out, args, ref_out, ref_args)
+            diff = _compare(out, args, ref_out, ref_args, _packed_outputs(spec))
+            result.aliased = sorted(_aliasing(out) - _aliasing(ref_out))
             result.equal = diff is None
             result.detail = diff or ""
         # what the pass did (also when the compile failed after the pass ran)
@@ -759,18 +860,28 @@ def run_case(spec: CaseSpec, inner: str, cost_model: bool = False,
             if pr.error:
                 result.pass_errors.append(f"{pr.target}: {pr.error}")
             for g in pr.groups:
+                outputs = g.kind is GroupKind.OUTPUTS
                 if g.decision is Decision.REWRITE:
                     result.rewritten += 1
+                    result.outputs_rewritten += int(outputs)
                     result.strategies.extend(c.strategy.value for c in g.captures if c.strategy)
                 elif g.decision is Decision.REJECT:
                     result.rejected += 1
+                    result.outputs_rejected += int(outputs)
                 result.reasons.append(f"{pr.target}/{g.cat.name} K={g.k} {g.decision.value}: {g.reason}")
                 result.anomalies.extend(_anomalies(spec, g))
+        result.pieces = [split.num_pieces for split in backend.splits]
+        if spec.split and out is not None:
+            cuts = [len(split.op_pieces) for split in backend.splits]
+            if not cuts or cuts != [spec.layers] * len(cuts):
+                result.anomalies.append(f"split at {cuts} barrier calls per graph, expected "
+                                        f"{spec.layers} (one per layer)")
         if not result.ok and inner != "inductor":
             # is it the pass? the same compile with the pass off
             try:
-                b_out, b_args, _ = _compiled_run(module, inputs, inner, False, cost_model)
-                b_diff = _compare(b_out, b_args, ref_out, ref_args)
+                b_out, b_args, _ = _compiled_run(module, inputs, inner, False, cost_model,
+                                                 backend_options=spec.backend_options)
+                b_diff = _compare(b_out, b_args, ref_out, ref_args, _packed_outputs(spec))
                 result.baseline = "ok (the failure comes from the pass)" if b_diff is None \
                     else f"differs too: {b_diff}"
             except Exception as e:  # noqa: BLE001
@@ -794,17 +905,20 @@ def fuzz(n: int, inners: Sequence[str], start_seed: int = 0, inductor_every: int
     reasons: Counter = Counter()
     strategies: Counter = Counter()
     kinds: Counter = Counter()
+    knobs: Counter = Counter({"return_list": 0, "split": 0})
     start = time.perf_counter()
     for case in range(n):
         seed = start_seed + case
         spec = random_spec(seed)
         kinds.update(spec.kinds)
+        knobs.update(name for name in ("return_list", "split") if getattr(spec, name))
         run_inners = list(inners)
         if inductor_every > 0 and case % inductor_every == 0 and "inductor" not in run_inners:
             run_inners.append("inductor")
         for inner in run_inners:
             stats = per_inner.setdefault(inner, dict(runs=0, mismatches=0, compile_failures=0,
                                                      groups_rewritten=0, groups_rejected=0,
+                                                     outputs_rewritten=0, outputs_rejected=0,
                                                      pass_errors=0, anomalies=0))
             try:
                 r = run_case(spec, inner, cost_model=cost_model)
@@ -814,6 +928,8 @@ def fuzz(n: int, inners: Sequence[str], start_seed: int = 0, inductor_every: int
             stats["runs"] += 1
             stats["groups_rewritten"] += r.rewritten
             stats["groups_rejected"] += r.rejected
+            stats["outputs_rewritten"] += r.outputs_rewritten
+            stats["outputs_rejected"] += r.outputs_rejected
             stats["pass_errors"] += len(r.pass_errors)
             stats["anomalies"] += len(r.anomalies)
             strategies.update(r.strategies)
@@ -840,6 +956,7 @@ def fuzz(n: int, inners: Sequence[str], start_seed: int = 0, inductor_every: int
         "decisions": dict(reasons.most_common()),
         "strategies": dict(strategies.most_common()),
         "kinds": dict(kinds.most_common()),
+        "knobs": dict(knobs),
         "seconds": round(time.perf_counter() - start, 1),
     }
 
@@ -856,7 +973,9 @@ def format_summary(summary: Dict[str, Any]) -> str:
         lines.append(f"  {inner:10s} runs={s['runs']} mismatches={s['mismatches']} "
                      f"compile_failures={s['compile_failures']} rewritten={s['groups_rewritten']} "
                      f"rejected={s['groups_rejected']} pass_errors={s['pass_errors']} "
-                     f"anomalies={s['anomalies']}")
+                     f"anomalies={s['anomalies']} (output groups: "
+                     f"rewritten={s['outputs_rewritten']} rejected={s['outputs_rejected']})")
+    lines.append("  cases per knob: " + ", ".join(f"{k}: {v}" for k, v in summary["knobs"].items()))
     lines.append("  strategies: " + ", ".join(f"{k}={v}" for k, v in summary["strategies"].items()))
     lines.append("  decisions:")
     lines.extend(f"    {v:5d}  {k}" for k, v in summary["decisions"].items())

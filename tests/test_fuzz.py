@@ -4,7 +4,10 @@
   ``INDUCTOR_SEEDS`` under Inductor, each compiled with ``cost_model=False`` and compared bit
   for bit with its reference; a second test per case checks the pass itself stayed healthy
   (no contained exception, no report that contradicts the spec);
-- coverage of the fixed sample: every producer kind, dtype, layout and both decisions occur;
+- coverage of the fixed sample: every producer kind, dtype, layout, both decisions and both
+  backend knobs (``return_list``: ``pack_outputs=True``; ``split``: ``split_ops``) occur;
+- each backend knob forced on ``FORCED_SEEDS`` (eager, aot_eager): bitwise equal, and the
+  output group rewritten or rejected with a reason / the graph split at every barrier;
 - ``--fuzz-cases N`` (``make fuzz N=1000``): N random cases, inductor on every 50th.
 
 Known library bugs hit by the fixed sample are strict xfails (``KNOWN_BITWISE``,
@@ -14,6 +17,7 @@ Known library bugs hit by the fixed sample are strict xfails (``KNOWN_BITWISE``,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Dict, Tuple
 
@@ -34,6 +38,11 @@ SEEDS = tuple(range(40))
 INNERS = ("eager", "aot_eager")
 INDUCTOR_SEEDS = (46, 49, 303)
 INDUCTOR_EVERY = 50
+#: seeds run with one backend knob forced on (``CaseSpec.with_knobs``), eager and aot_eager:
+#: return_list: 2 and 23 rewrite their output group, 0 rejects it (a returned view), 3
+#: returns its result and one capture (no group); split: 2 and 11 rewrite a concat of
+#: captures taken in earlier pieces
+FORCED_SEEDS = {"return_list": (0, 2, 3, 23), "split": (2, 11)}
 
 # ----------------------------------------------------------------------------- known bugs
 
@@ -100,6 +109,75 @@ def test_fixed_sample_coverage():
     assert sum(r.rejected for r in results) > 0, "no group was ever rejected"
     strategies = {s for r in results for s in r.strategies}
     assert strategies == {"copy", "compute into slice", "elide clone"}, strategies
+
+
+def test_fixed_sample_covers_the_backend_knobs():
+    specs = [random_spec(s) for s in SEEDS]
+    assert any(spec.return_list for spec in specs) and any(spec.split for spec in specs)
+    assert any(spec.return_list and spec.split for spec in specs)
+    assert any(not spec.return_list and not spec.split for spec in specs)
+    for spec in specs:
+        if spec.return_list:  # no packed tensor: its knobs are off
+            assert not spec.mutate_packed and spec.extra_cat is None
+    results = [_result(s, inner) for s in SEEDS for inner in INNERS]
+    assert sum(r.outputs_rewritten for r in results) > 0, "no output group was ever rewritten"
+    assert all(r.pieces for r in results if r.spec.split), "a split case was not split"
+    assert not any(r.pieces for r in results if not r.spec.split)
+
+
+@functools.lru_cache(maxsize=None)
+def _forced(knob: str, seed: int, inner: str) -> CaseResult:
+    return run_case(random_spec(seed).with_knobs(**{knob: True}), inner)
+
+
+def _forced_params():
+    return [pytest.param(knob, seed, inner, id=f"{knob}-{inner}-{seed}")
+            for knob, seeds in FORCED_SEEDS.items() for seed in seeds for inner in INNERS]
+
+
+@pytest.mark.parametrize("knob, seed, inner", _forced_params())
+def test_forced_knob_bitwise(knob, seed, inner):
+    r = _forced(knob, seed, inner)
+    assert getattr(r.spec, knob)
+    assert r.ok, f"not bitwise equal to the eager module\n{r.describe()}"
+    assert not r.pass_errors and not r.anomalies, r.describe()
+    if knob == "return_list":
+        returned = set(range(1, 1 + len(r.spec.cat_order)))
+        packed = [(i, j) for i, j in r.aliased if i in returned and j in returned]
+        # every output group the pass found was decided, with its reason
+        outputs = [reason for reason in r.reasons if "/output K=" in reason]
+        assert len(outputs) == r.outputs_rewritten + r.outputs_rejected, r.describe()
+        assert all(reason.split(": ", 1)[1] for reason in outputs), r.describe()
+        # a rewritten group returns captures that share one buffer; no rewrite, no sharing
+        assert bool(packed) == bool(r.outputs_rewritten), r.describe()
+    else:
+        assert r.pieces and all(p > 1 for p in r.pieces), r.describe()
+
+
+def test_forced_knobs_reach_both_decisions():
+    """The forced seeds are chosen to exercise rewrite and reject (or no group) per knob."""
+    rl = [_forced("return_list", s, inner) for s in FORCED_SEEDS["return_list"] for inner in INNERS]
+    assert sum(r.outputs_rewritten for r in rl) >= 2 * len(INNERS), [r.describe() for r in rl]
+    assert sum(r.outputs_rejected for r in rl) >= len(INNERS), [r.describe() for r in rl]
+    assert any(not (r.outputs_rewritten or r.outputs_rejected) for r in rl), \
+        "seed 3 (the result and one capture returned) must form no output group"
+    split = [_forced("split", s, inner) for s in FORCED_SEEDS["split"] for inner in INNERS]
+    assert all(r.rewritten for r in split), [r.describe() for r in split]
+
+
+def test_knobs_of_a_spec():
+    spec = random_spec(6)  # extra_cat (+ a slice of the packed tensor), late
+    assert spec.extra_cat is not None and not spec.return_list
+    with pytest.raises(ValueError, match="return_list"):
+        dataclasses.replace(spec, return_list=True)
+    forced = spec.with_knobs(return_list=True, split=True)
+    assert forced.return_list and forced.split and forced.extra_cat is None
+    assert not forced.mutate_packed and not forced.extra_packed_view
+    assert "return_list" in forced.describe() and "split" in forced.describe()
+    assert forced.backend_options == {"pack_outputs": True, "split_ops": ["cp_fuzz::barrier"]}
+    assert spec.with_knobs(split=False).backend_options == {"pack_outputs": False, "split_ops": []}
+    assert forced.with_knobs(return_list=False, split=False) == dataclasses.replace(
+        forced, return_list=False, split=False)
 
 
 def test_random_spec_replays():
