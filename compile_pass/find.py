@@ -216,7 +216,9 @@ def _layer_depths(order: List[fx.Node]) -> dict:
         base = max([depth.get(a, 0) for a in inputs], default=0)
         if written_at:
             base = max([base] + [written_at.get(key_of.get(a), 0) for a in inputs])
-        boundary = (n.op == "call_function" and _may_be_boundary(n, boundary_ops)
+        # one output of a multi-output op is as deep as the op (counted at the op itself)
+        boundary = (n.op == "call_function" and n.target is not operator.getitem
+                    and _may_be_boundary(n, boundary_ops)
                     and classify_producer(n) in _LAYER_BOUNDARIES)
         depth[n] = base + boundary
         value = tensor_value(n)

@@ -160,6 +160,33 @@ def test_output_group_skips_a_result_as_deep_as_the_last_capture():
     assert hidden.untyped_storage().data_ptr() != aux[0].untyped_storage().data_ptr()
 
 
+def _returns_hidden_then_captures_ending_with_one_output_of_a_pair(x, w):
+    import compile_pass.fuzz  # noqa: F401 - registers cp_fuzz::scale_pair
+
+    aux, h = [], x
+    for i in range(3):
+        aux.append(torch.ops.cp_fuzz.scale_pair(h)[1] if i == 2 else h + 1)
+        h = torch.tanh(h @ w)
+    return h, aux  # h: 3 matmuls deep; aux[-1]: 2 matmuls and one opaque op
+
+
+def test_one_output_of_a_multi_output_op_is_as_deep_as_the_op():
+    """Fuzzer regression (return_list, seed 226): the getitem taking one output of a
+    two-output custom op counted as a second opaque op, so that capture looked deeper than
+    the model's result, which was then packed with the captures and shared their buffer."""
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    fn = _returns_hidden_then_captures_ending_with_one_output_of_a_pair
+    gm = _dynamo_graph(fn, x, w)
+    (group,) = find_output_groups(gm)
+    assert group.output_indices == (1, 2, 3)
+    backend = aux_capture_backend("eager", pack_outputs=True, cost_model=False)
+    hidden, aux = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(x, w)
+    expect = fn(x, w)
+    assert torch.equal(hidden, expect[0]) and all(map(torch.equal, aux, expect[1]))
+    assert len({a.untyped_storage().data_ptr() for a in aux}) == 1  # packed
+    assert hidden.untyped_storage().data_ptr() != aux[0].untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("fn, reason", [
     (lambda x, w: (lambda v: [v, torch.tanh(v @ w)])((x @ w).repeat(1, 2)[:, :16]), "is a view"),
     (lambda x, w: (lambda c: [c, c, torch.tanh(c @ w)])(torch.tanh(x @ w) + 1),
