@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import compile_pass  # noqa: E402
+import models.dflash  # noqa: E402
 import models.llama  # noqa: E402
 from compile_pass.explain import ExplainReport, ModelRunError, explain, trace_pass_result  # noqa: E402
 
@@ -215,15 +216,23 @@ def test_trace_artifacts_without_torch_trace(report, monkeypatch):
     trace_pass_result(report.graphs[0].result)  # a no-op, must not fail
 
 
-def test_explain_not_implemented_options():
+def test_explain_bad_options():
     model, inputs = models.llama.tiny(tokens=8)
-    with pytest.raises(NotImplementedError, match=r"split_ops: piecewise graphs are not "
-                                                  r"implemented yet \(issue 4\)"):
+    with pytest.raises(ValueError, match=r"split op 'attention' is not of the form 'namespace::op'"):
         explain(model, *inputs, split_ops=["attention"])
-    with pytest.raises(NotImplementedError, match="pack_outputs"):
-        explain(model, *inputs, pack_outputs=True)
     with pytest.raises(ValueError, match="unknown inner"):
         explain(model, *inputs, inner="nope")
+
+
+def test_explain_split_ops_notes_the_pieces_and_missing_ops():
+    model, inputs = models.dflash.tiny(tokens=16, num_layers=4, k=3)
+    with pytest.warns(UserWarning, match="never appears"):
+        report = explain(model, *inputs, split_ops=["models::attention", "models::add_rms_norm"],
+                         cost_model=False)
+    text = report.to_text(color=False)
+    assert "split into 5 compiled pieces at models::attention x4, models::add_rms_norm x0" in text
+    assert "split op 'models::add_rms_norm' never appears in this graph" in text
+    assert any(g.decision.value == "rewrite" for g in report.graphs[-1].result.groups)
 
 
 def _three_captures(x: torch.Tensor, w: torch.Tensor):
@@ -350,8 +359,7 @@ def test_cli_reference_models(cli, spec):
     (["models.llama:tiny", "--inner", "nope"], "argument --inner: invalid choice: 'nope'"),
     (["models.llama:tiny", "--tokens", "0"], "expected a positive integer, got '0'"),
     (["models.llama:tiny", "--split-ops", "attention"],
-     "split_ops: piecewise graphs are not implemented yet (issue 4)"),
-    (["models.llama:tiny", "--pack-outputs"], "pack_outputs: captures returned as graph outputs"),
+     "split op 'attention' is not of the form 'namespace::op'"),
     (["models.llama:tiny", "--depyf"], "--depyf needs --out DIR"),
     (["models.llama"], "MODEL must be module:factory or path/to/file.py:factory"),
     (["models.llama:FACTORY_NAMES"], "models.llama:FACTORY_NAMES is not callable (a tuple)"),
