@@ -126,7 +126,7 @@ def test_deepseek_residual_is_mutated_in_place(monkeypatch):
     model, inputs = deepseek.tiny("list", tokens=T)
     with torch.no_grad():
         _, correct = model(*inputs)
-        monkeypatch.setattr(deepseek, "make_aux", lambda mode, k: _NoCloneList())
+        monkeypatch.setattr(deepseek, "make_aux", lambda mode, k, out=None: _NoCloneList())
         model.capture_mode = "list_out"
         final_hidden, aliased = model(*inputs)
     assert len(aliased) == model.num_captures
