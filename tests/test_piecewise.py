@@ -414,5 +414,6 @@ def test_inductor_piecewise_and_pack_outputs_bitwise_equal_to_inductor_without_t
     assert torch.equal(off[0], on[0]) and torch.equal(off[1], on[1])
     assert on[1].data_ptr() == on[2][0].data_ptr()  # packed without a copy
     assert on[3].splits[-1].num_pieces == 7
-    assert [g.kind for r in on[3].results for g in r.groups if g.decision is Decision.REWRITE] \
-        == [GroupKind.OUTPUTS]
+    # one rewritten output group per compile (Dynamo may restart a compile: one result each)
+    kinds = [g.kind for r in on[3].results for g in r.groups if g.decision is Decision.REWRITE]
+    assert kinds and set(kinds) == {GroupKind.OUTPUTS}
