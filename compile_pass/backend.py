@@ -15,6 +15,10 @@ must land where nothing functionalizes the graph again (docs/design.md):
 Under Inductor the pass runs where Inductor's own graph is final (functionalized, CSE'd),
 so its cost model sees which captures Inductor would really copy into the concat.
 
+With ``split_ops`` the pass runs on the whole Dynamo graph (custom-op writes) and each
+piece goes to the inner; Inductor pieces get ``PieceWritesPass`` and take their inputs
+boxed (``piecewise.PieceRunner``).
+
 ``options={"rewrite": False}`` compiles exactly the same way with the pass off.
 """
 
@@ -166,6 +170,7 @@ class AuxCaptureBackend:
 
         The rewrite comes first so that a buffer allocated in one piece is written by
         ``write_slice_`` calls in later pieces; the pieces' compilers keep those writes.
+        Returns a ``PieceRunner``: it drops each value before the piece that reads it last.
         """
         from compile_pass.piecewise import compile_pieces, fake_inputs
 
@@ -178,27 +183,42 @@ class AuxCaptureBackend:
         counters["aux_capture"]["split_graphs"] += 1
         counters["aux_capture"]["pieces"] += split.num_pieces
         counters["aux_capture"]["split_op_calls"] += len(split.op_pieces)
-        compiled = compile_pieces(
-            split, inputs, lambda piece, piece_inputs: self._compile_piece(piece, piece_inputs,
-                                                                            rewrite_inside=False))
-        return compiled.forward
+        return compile_pieces(split, inputs, self._compile_split_piece)
+
+    def _compile_split_piece(self, piece: fx.GraphModule, example_inputs: List[Any]) -> Any:
+        """One compute piece of a split graph: its writes were put in on the Dynamo graph.
+        Under Inductor the piece is compiled to take its inputs boxed (``BoxedCall``), so
+        it frees each input after its last use instead of when the piece returns."""
+        if self.inner == "inductor":
+            return self._compile_inductor(piece, example_inputs, rewrite_inside=False, boxed=True)
+        return self._compile_piece(piece, example_inputs, rewrite_inside=False)
 
     def _compile_inductor(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor],
-                          rewrite_inside: bool = True) -> CompiledFn:
+                          rewrite_inside: bool = True, boxed: bool = False) -> Any:
+        """``gm`` compiled by Inductor. ``rewrite_inside``: the pass runs on Inductor's
+        post-grad graph; otherwise writes put in before (a piece of a split graph) get
+        ``PieceWritesPass``. ``boxed``: return a ``BoxedCall`` (see ``piecewise``)."""
         import torch._inductor.config as inductor_config
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
-        from compile_pass.inductor_pass import chain_post_grad_passes
+        from compile_pass.inductor_pass import PieceWritesPass, chain_post_grad_passes
+        from compile_pass.piecewise import BoxedCall
 
         patches = dict(list_mode_options(self.mode)) if self.mode not in (None, "default") else {}
         patches.update(self.inductor_options)
-        if self.rewrite and rewrite_inside:
+        if self.rewrite:
             existing = patches.get("post_grad_custom_post_pass",
                                    inductor_config.post_grad_custom_post_pass)
-            patches["post_grad_custom_post_pass"] = chain_post_grad_passes(existing,
-                                                                           self._capture_pass())
-        return compile_fx(gm, example_inputs, config_patches=patches)
+            added = self._capture_pass() if rewrite_inside else PieceWritesPass()
+            patches["post_grad_custom_post_pass"] = chain_post_grad_passes(existing, added)
+        if not boxed:
+            return compile_fx(gm, example_inputs, config_patches=patches)
+        from torch._dynamo.utils import GmWrapper
+
+        # AOTAutograd gives a module wrapped this way the boxed calling convention
+        return BoxedCall(compile_fx(GmWrapper(gm, _inputs_as_given), example_inputs,
+                                    config_patches=patches))
 
     def _compile_aot(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor],
                      rewrite_inside: bool = True) -> CompiledFn:
@@ -224,6 +244,11 @@ class AuxCaptureBackend:
             partition_fn=min_cut_rematerialization_partition,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
+
+
+def _inputs_as_given(args: List[Any]) -> List[Any]:
+    """The identity ``GmWrapper`` unflattens a boxed piece's flat inputs with."""
+    return args
 
 
 def _cudagraph(gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledFn:

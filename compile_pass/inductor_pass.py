@@ -8,6 +8,9 @@ drops once pointwise and mm producers, which Inductor's concat lowering already 
 into the concat's output, are taken into account. Writes are the mutating
 ``compile_pass::write_slice_`` op, which Inductor lowers as an in-place fallback call.
 
+``PieceWritesPass`` is the post-grad pass for pieces of a split graph, whose writes were
+put in on the Dynamo graph.
+
 ``uuid()`` hashes the package's source files and the pass's options, so the FX graph
 cache misses whenever either changes and hits otherwise.
 """
@@ -22,7 +25,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from compile_pass.capture_pass import PassResult, run_capture_pass
 
-__all__ = ["AuxCapturePass", "SliceWritesPass"]
+__all__ = ["AuxCapturePass", "PieceWritesPass"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -62,19 +65,23 @@ class AuxCapturePass(CustomGraphPass):
         return f"AuxCapturePass(cost_model={self.cost_model})"
 
 
-class SliceWritesPass(CustomGraphPass):
-    """Post-grad pass for graphs whose slice writes were put in before AOTAutograd (pieces
-    of a split graph, ``pack_outputs``): each functionalized ``write_slice_`` becomes a
-    ``copy_`` into a slice view of its buffer, so Inductor computes the capture straight
-    into the slice instead of materializing it and calling the op on it."""
+class PieceWritesPass(CustomGraphPass):
+    """Post-grad pass for graphs whose capture writes were put in before AOTAutograd
+    (pieces of a split graph): captures the graph computes again and returns are written
+    from the returned value (``reinplace.write_from_twins``).
+
+    It runs after Inductor's pattern passes (which decide, e.g., whether an add folds into
+    a matmul), so it changes no computed value: the pass-off graph computes the same sum
+    twice, and the write now copies the copy that is returned anyway.
+    """
 
     def __call__(self, graph: fx.Graph) -> None:
-        from compile_pass.reinplace import reinplace_slice_writes
+        from compile_pass.reinplace import write_from_twins
 
-        reinplace_slice_writes(graph, as_copy=True)
+        write_from_twins(graph)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files(_source_files(), extra="slice_writes")
+        return get_hash_for_files(_source_files(), extra="piece_writes")
 
 
 class _ChainedPass(CustomGraphPass):
