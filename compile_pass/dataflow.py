@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import operator
 import os
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
@@ -131,28 +132,6 @@ def is_cat(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target in ("cat",)
 
 
-def _schema_of(node: fx.Node) -> Optional[torch.FunctionSchema]:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        target = getattr(target, "default", None)
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema
-    return None
-
-
-#: per schema, the (position, name) of each argument it writes in place
-_WRITTEN_ARGUMENTS: Dict[torch.FunctionSchema, Tuple[Tuple[int, str], ...]] = {}
-
-
-def _written_arguments(schema: torch.FunctionSchema) -> Tuple[Tuple[int, str], ...]:
-    written = _WRITTEN_ARGUMENTS.get(schema)
-    if written is None:
-        written = tuple((i, arg.name) for i, arg in enumerate(schema.arguments)
-                        if arg.alias_info is not None and arg.alias_info.is_write)
-        _WRITTEN_ARGUMENTS[schema] = written
-    return written
-
-
 def _node_args(obj: Any) -> Iterable[fx.Node]:
     if isinstance(obj, fx.Node):
         yield obj
@@ -161,22 +140,44 @@ def _node_args(obj: Any) -> Iterable[fx.Node]:
             yield from _node_args(item)
 
 
+def _mutation_spec_uncached(op: str, target: Any) -> Tuple[bool, Tuple[Tuple[int, str], ...]]:
+    overload = getattr(target, "default", None) if isinstance(target, torch._ops.OpOverloadPacket) \
+        else target
+    if isinstance(overload, torch._ops.OpOverload):
+        return True, tuple((i, arg.name) for i, arg in enumerate(overload._schema.arguments)
+                           if arg.alias_info is not None and arg.alias_info.is_write)
+    name = target if op == "call_method" else getattr(target, "__name__", "")
+    by_spelling = (target in _INPLACE_OPERATORS
+                   or (isinstance(name, str) and name.endswith("_") and not name.endswith("__")))
+    return False, ((0, ""),) if by_spelling else ()
+
+
+@functools.lru_cache(maxsize=4096)
+def _mutation_spec(op: str, target: Any) -> Tuple[bool, Tuple[Tuple[int, str], ...]]:
+    """What a call of ``target`` writes, from what it is rather than from its arguments:
+    ``(True, written)`` for an op with a schema (position and name of each argument it
+    writes), ``(False, ((0, ""),))`` for a torch-IR call that writes its first argument by
+    its spelling (``add_``, ``operator.iadd``), ``(False, ())`` otherwise."""
+    return _mutation_spec_uncached(op, target)
+
+
 def mutated_inputs(node: fx.Node) -> List[fx.Node]:
     """The input nodes whose values ``node`` writes in place (empty for functional nodes)."""
     if node.op not in ("call_function", "call_method"):
         return []
-    schema = _schema_of(node)
-    if schema is not None:
+    try:
+        has_schema, written = _mutation_spec(node.op, node.target)
+    except TypeError:  # an unhashable target
+        has_schema, written = _mutation_spec_uncached(node.op, node.target)
+    if has_schema:
         mutated: List[fx.Node] = []
-        for i, name in _written_arguments(schema):
+        for i, name in written:
             value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
             mutated.extend(_node_args(value))
         return mutated
-    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    out = list(_node_args(node.kwargs["out"])) if "out" in node.kwargs else []
-    if (node.target in _INPLACE_OPERATORS
-            or (isinstance(name, str) and name.endswith("_") and not name.endswith("__"))
-            or node.kwargs.get("inplace") is True):
+    kwargs = node.kwargs
+    out = list(_node_args(kwargs["out"])) if "out" in kwargs else []
+    if written or kwargs.get("inplace") is True:
         return list(_node_args(node.args[:1])) + out
     return out
 

@@ -29,6 +29,9 @@ from compile_pass.dataflow import hint, nbytes, storage_key
 
 __all__ = ["Interval", "LivenessModel", "MemoryTimeline", "estimate_memory"]
 
+#: time steps per block of precomputed maxima (``LivenessModel._range_max``)
+_BLOCK = 128
+
 
 @dataclass
 class MemoryTimeline:
@@ -90,25 +93,30 @@ class LivenessModel:
         preexisting = set()
         for i, node in enumerate(self.nodes):
             time = 2 * i
-            read_at = self.end if node.op == "output" else time
+            if node.op == "output":
+                # allocates nothing (its metadata may even describe values a rewrite
+                # replaced); what it returns is read at the end
+                for arg in node.all_input_nodes:
+                    for key in self.keys_of[arg]:
+                        last[key] = self.end
+                self.keys_of[node] = []
+                continue
             for arg in node.all_input_nodes:  # node is a user of arg: it reads arg's storages
                 for key in self.keys_of[arg]:
-                    last[key] = read_at
-            target = computed_into.get(node)
+                    last[key] = time
+            target = computed_into.get(node) if computed_into else None
             keys: List[Hashable] = []
-            # the output node allocates nothing (its metadata may even describe values a
-            # rewrite replaced); what it returns is kept alive through last_read
-            values = [] if node.op == "output" else _value_tensors(target if target is not None else node)
-            for t in values:
+            is_input = node.op in ("placeholder", "get_attr")
+            for t in _value_tensors(target if target is not None else node):
                 key = storage_key(t) or ("object", id(t))
                 keys.append(key)
                 self.nodes_of.setdefault(key, []).append(node)
-                last[key] = max(last.get(key, 0), time)
+                last[key] = time  # times only grow: the latest reader so far is this node
                 if key in preexisting:
                     continue
                 if key in born:
                     born[key] = min(born[key], time)
-                elif node.op in ("placeholder", "get_attr"):
+                elif is_input:
                     preexisting.add(key)
                 else:
                     born[key], size[key] = time, _storage_bytes(t)
@@ -116,9 +124,14 @@ class LivenessModel:
         self.intervals: Dict[Hashable, Interval] = {
             key: Interval(size[key], start, last[key]) for key, start in born.items()
         }
-        # the unchanged timeline, swept once: pricing a change only adds its difference
+        self._sweep_timeline()
+
+    def _sweep_timeline(self) -> None:
+        """The unchanged timeline, swept once (pricing a change only adds its difference),
+        its peak, and its maxima per block of ``_BLOCK`` steps."""
         self._base = self._sweep(self.intervals.values())
         self._peak = max(self._base, default=0)
+        self._block_max = [max(self._base[i:i + _BLOCK]) for i in range(0, len(self._base), _BLOCK)]
 
     def last_read(self, key: Hashable, ignore: Optional[fx.Node] = None) -> int:
         """Time of the last read of storage ``key`` by any node except ``ignore``."""
@@ -165,16 +178,28 @@ class LivenessModel:
             delta[time] += size
         return [b + d for b, d in zip(self._base, itertools.accumulate(delta))]
 
+    def _range_max(self, lo: int, hi: int) -> int:
+        """``max(live_bytes()[lo:hi])`` for ``lo < hi``, from the blocks' maxima: O(sqrt(n))."""
+        first, last = -(-lo // _BLOCK), hi // _BLOCK  # the whole blocks inside [lo, hi)
+        if first >= last:
+            return max(self._base[lo:hi])
+        best = max(self._block_max[first:last])
+        if lo < first * _BLOCK:
+            best = max(best, max(self._base[lo:first * _BLOCK]))
+        if last * _BLOCK < hi:
+            best = max(best, max(self._base[last * _BLOCK:hi]))
+        return best
+
     def peak(self, changes: Optional[Mapping[Hashable, Optional[Interval]]] = None) -> int:
-        """Maximum of ``live_bytes(changes)``, in time proportional to the number of changes
-        (plus C-speed maxima over the unchanged timeline between them)."""
+        """Maximum of ``live_bytes(changes)``: the unchanged timeline's maxima between the
+        changes' step points, each offset by what the changes add there (time proportional
+        to the number of changes times sqrt of the graph's length)."""
         if not changes:
             return self._peak
-        base, peak = self._base, 0
-        offset, previous = 0, 0
+        peak, offset, previous = 0, 0, 0
         for time, size in sorted(self._difference(changes).items()) + [(self.end + 1, 0)]:
             if time > previous:
-                peak = max(peak, offset + max(base[previous:time]))
+                peak = max(peak, offset + self._range_max(previous, time))
             offset, previous = offset + size, max(previous, time)
         return peak
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -30,8 +30,10 @@ from compile_pass.capture_pass import copy_graph, run_capture_pass
 from compile_pass.dataflow import sizes_at
 from compile_pass.groups import Decision
 from compile_pass.liveness import estimate_memory
+from compile_pass.memory import measure_peak
 
-__all__ = ["StaticEstimate", "trace_graph", "token_symbols", "estimate_at", "graph_peak_at"]
+__all__ = ["StaticEstimate", "EstimateCheck", "trace_graph", "token_symbols", "estimate_at",
+           "graph_peak_at", "check_against_measured"]
 
 _INNER_TARGETS = {"eager": "dynamo", "aot_eager": "aot"}
 
@@ -134,3 +136,62 @@ def estimate_at(gm: fx.GraphModule, target: str, traced_tokens: int, tokens: Seq
                                         result.timeline_after.peak_bytes, result.changed,
                                         decisions, seconds, result.error))
     return estimates
+
+
+@dataclass
+class EstimateCheck:
+    """Estimated vs measured peak bytes of one graph run as is, before and after the pass."""
+
+    estimated_before: int
+    measured_before: int
+    estimated_after: int
+    measured_after: int
+    rewritten: bool
+    bitwise_equal: bool
+
+    @property
+    def errors(self) -> Tuple[float, float]:
+        """(estimate - measured) / measured, before and after the pass."""
+        return ((self.estimated_before - self.measured_before) / self.measured_before,
+                (self.estimated_after - self.measured_after) / self.measured_after)
+
+
+def _compiled_as_is(model: Callable[..., Any], inputs: Sequence[torch.Tensor]
+                    ) -> Tuple[Callable[..., Any], fx.GraphModule]:
+    graphs: List[fx.GraphModule] = []
+
+    def backend(gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> Callable[..., Any]:
+        graphs.append(gm)
+        return lambda *args: gm(*args)  # the graph's current code, rewritten or not
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        compiled(*inputs)
+    if len(graphs) != 1:
+        raise RuntimeError(f"check_against_measured: expected one graph, got {len(graphs)}")
+    return compiled, graphs[0]
+
+
+def check_against_measured(model: Callable[..., Any], *inputs: torch.Tensor,
+                           cost_model: bool = False) -> EstimateCheck:
+    """The estimate against ``measure_peak`` on real tensors, the way the eager inner runs a
+    model: its Dynamo graph as is (static shapes), once without the pass and once after it
+    (``cost_model=False``: every valid group rewritten, so the rewritten graph is checked
+    too). Outputs of the two runs are compared bitwise."""
+    compiled, gm = _compiled_as_is(model, inputs)
+    estimated_before = estimate_memory(gm.graph).peak_bytes
+    with torch.no_grad():
+        before = measure_peak(compiled, *inputs)
+    result = run_capture_pass(gm, "dynamo", cost_model=cost_model)
+    if result.error is not None:
+        raise RuntimeError(f"the pass failed: {result.error}")
+    estimated_after = estimate_memory(gm.graph).peak_bytes
+    with torch.no_grad():
+        after = measure_peak(compiled, *inputs)
+    flat_before = [t for t in torch.utils._pytree.tree_leaves(before.result) if isinstance(t, torch.Tensor)]
+    flat_after = [t for t in torch.utils._pytree.tree_leaves(after.result) if isinstance(t, torch.Tensor)]
+    equal = len(flat_before) == len(flat_after) and all(
+        torch.equal(a, b) for a, b in zip(flat_before, flat_after))
+    return EstimateCheck(estimated_before, before.bytes, estimated_after, after.bytes,
+                         result.changed, equal)
