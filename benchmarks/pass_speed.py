@@ -124,7 +124,7 @@ def sweep_us_per_node(gm: fx.GraphModule) -> float:
 
 def calibration_us() -> float:
     """This machine's speed at plain Python: 1000 dict lookups, best of 5 (microseconds), to
-    compare runs on different machines (a recent desktop core: about 20)."""
+    compare runs on different machines or under different load."""
     setup = "d = {i: i for i in range(1000)}"
     return 1e6 * min(timeit.repeat("for i in range(1000): d[i]", setup, number=2000, repeat=5)) / 2000
 
@@ -223,7 +223,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 run_capture_pass(copy, target)
                 profiler.disable()
                 out = io.StringIO()
-                pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(15)
+                stats = pstats.Stats(profiler, stream=out)
+                stats.sort_stats("cumulative").print_stats("compile_pass", 12)  # the stages
+                stats.sort_stats("tottime").print_stats(12)  # the hot functions
                 print(out.getvalue())
             del gm
     fits = summarize(rows)

@@ -97,6 +97,8 @@ class StaticEstimate:
     decisions: List[str]
     pass_seconds: float
     error: Optional[str] = None
+    #: estimated live bytes while the widest capture concat runs (list path), if any
+    concat_bytes: Optional[int] = None
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -132,9 +134,13 @@ def estimate_at(gm: fx.GraphModule, target: str, traced_tokens: int, tokens: Seq
             raise RuntimeError(f"the pass recorded no timeline at {n} tokens: {result.error}")
         decisions = [f"{g.key} K={g.k}: {g.decision.value}: {g.reason}"
                      for g in result.groups if g.k > 2 or g.decision is Decision.REWRITE]
-        estimates.append(StaticEstimate(n, result.timeline_before.peak_bytes,
-                                        result.timeline_after.peak_bytes, result.changed,
-                                        decisions, seconds, result.error))
+        before = result.timeline_before
+        concats = [g for g in result.groups if g.cat.op == "call_function" and g.cat.name in before.node_names]
+        widest = max(concats, key=lambda g: g.k, default=None)
+        concat_bytes = before.live_bytes[before.node_names.index(widest.cat.name)] if widest else None
+        estimates.append(StaticEstimate(n, before.peak_bytes, result.timeline_after.peak_bytes,
+                                        result.changed, decisions, seconds, result.error,
+                                        concat_bytes))
     return estimates
 
 
