@@ -27,6 +27,7 @@ bench: $(VENV)/.installed-test
 
 # The pass's own time on DeepSeek-V3-shaped graphs (16/32/61 layers, traced on the meta device)
 scale: $(VENV)/.installed-test
+	PYTHONPATH=. $(PYTHON) benchmarks/real_size_estimates.py --out bench-results/real_size_estimates.json
 	PYTHONPATH=. $(PYTHON) benchmarks/pass_speed.py --out bench-results/pass_speed.json
 
 fuzz: $(VENV)/.installed-test
