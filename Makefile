@@ -25,7 +25,7 @@ test: $(VENV)/.installed-test,hf
 bench: $(VENV)/.installed-test
 	PYTHONPATH=. $(PYTHON) benchmarks/capture_memory.py --out bench-results/capture_memory.json
 
-# The pass's own time on DeepSeek-V3-shaped graphs (16/32/61 layers, traced on the meta device)
+# Real-size estimates and the pass's own time, traced on the meta device (docs/scale.md)
 scale: $(VENV)/.installed-test
 	PYTHONPATH=. $(PYTHON) benchmarks/real_size_estimates.py --out bench-results/real_size_estimates.json
 	PYTHONPATH=. $(PYTHON) benchmarks/pass_speed.py --out bench-results/pass_speed.json
