@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from compile_pass.cost import planned_peak
-from compile_pass.dataflow import is_cat
+from compile_pass.dataflow import NodeTable, is_cat
 from compile_pass.find import classify_producer, find_capture_groups, find_output_groups
 from compile_pass.groups import CaptureGroup, Decision, GroupKind, Producer, summarize
 from compile_pass.liveness import LivenessModel, MemoryTimeline
@@ -127,11 +127,12 @@ def _inductor_computed_into(graph: fx.Graph) -> Dict[fx.Node, fx.Node]:
     return fused
 
 
-def _liveness(graph: fx.Graph, target: Target, except_cat: Optional[fx.Node] = None) -> LivenessModel:
+def _liveness(graph: fx.Graph, target: Target, except_cat: Optional[fx.Node] = None,
+              table: Optional[NodeTable] = None) -> LivenessModel:
     if not target.inductor_cost:
-        return LivenessModel(graph)
+        return LivenessModel(graph, table=table)
     fused = {n: cat for n, cat in _inductor_computed_into(graph).items() if cat is not except_cat}
-    return LivenessModel(graph, fused)
+    return LivenessModel(graph, fused, table=table)
 
 
 def copy_graph(graph: fx.Graph) -> Tuple[fx.Graph, Dict[fx.Node, fx.Node]]:
@@ -153,12 +154,13 @@ def _mib(n: Optional[int]) -> str:
 
 
 class _GraphState:
-    """Facts and liveness of the current graph, recomputed only when it changes."""
+    """Facts and liveness of the current graph, all from one ``NodeTable`` (the finder's),
+    rebuilt only when the graph changes."""
 
-    def __init__(self, gm: fx.GraphModule, target: Target) -> None:
-        self.gm, self.target = gm, target
-        self.facts = GraphFacts(gm.graph)
-        self.liveness = _liveness(gm.graph, target)
+    def __init__(self, gm: fx.GraphModule, target: Target, table: NodeTable) -> None:
+        self.gm, self.target, self.table = gm, target, table
+        self.facts = GraphFacts(gm.graph, table)
+        self.liveness = _liveness(gm.graph, target, table=table)
         self.peak = self.liveness.peak()
 
 
@@ -196,7 +198,7 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
     else:
         # under Inductor's cost model the rewritten group's producers are no longer fused
         # into its concat, so they are priced on a model without that fusion
-        after_model = _liveness(state.gm.graph, target, except_cat=group.cat) \
+        after_model = _liveness(state.gm.graph, target, except_cat=group.cat, table=state.table) \
             if target.inductor_cost else state.liveness
         after = planned_peak(after_model, group)
     group.estimated_peak_before, group.estimated_peak_after = before, after
@@ -238,10 +240,11 @@ def _record(result: PassResult) -> None:
                  list(g.widths), g.dtype, g.decision.value, g.reason)
 
 
-def _find_groups(gm: fx.GraphModule, concat: bool, pack_outputs: bool) -> List[CaptureGroup]:
-    groups = find_capture_groups(gm) if concat else []
+def _find_groups(gm: fx.GraphModule, table: NodeTable, concat: bool,
+                 pack_outputs: bool) -> List[CaptureGroup]:
+    groups = find_capture_groups(gm, table) if concat else []
     if pack_outputs:
-        groups += find_output_groups(gm)
+        groups += find_output_groups(gm, table)
     return groups
 
 
@@ -268,7 +271,8 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
     try:
         if estimate:
             result.timeline_before = _liveness(gm.graph, target).timeline()
-        groups = _find_groups(gm, concat, pack_outputs)
+        table = NodeTable(gm.graph)
+        groups = _find_groups(gm, table, concat, pack_outputs)
         state: Optional[_GraphState] = None
         graph_changed = False
         i = 0
@@ -279,7 +283,7 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
             if group.decision is not Decision.FOUND:
                 continue
             group.placement = target.name
-            state = state or _GraphState(gm, target)
+            state = state or _GraphState(gm, target, table)
             if not _decide(state, group, cost_model):
                 continue
             # the trial on a copy succeeded: the same rewrite on the graph itself
@@ -287,8 +291,9 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
             rewrite_group(gm.graph, group)
             state, graph_changed = None, True
             # the rewrite replaced nodes: find the remaining groups again on the new graph
+            table = NodeTable(gm.graph)
             remaining = {g.key for g in groups[i:]}
-            groups = groups[:i] + [g for g in _find_groups(gm, concat, pack_outputs)
+            groups = groups[:i] + [g for g in _find_groups(gm, table, concat, pack_outputs)
                                    if g.key in remaining]
         if graph_changed:
             gm.recompile()

@@ -18,7 +18,7 @@ import contextvars
 import functools
 import operator
 import os
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -33,8 +33,8 @@ __all__ = [
     "mutated_inputs",
     "source_line",
     "is_cat",
-    "alias_groups",
     "module_location",
+    "NodeTable",
 ]
 
 _INPLACE_OPERATORS = {
@@ -230,12 +230,66 @@ def module_location(node: fx.Node, following: Iterable[fx.Node]) -> str:
     return ""
 
 
-def alias_groups(nodes: Iterable[fx.Node]) -> Dict[int, Set[fx.Node]]:
-    """Nodes grouped by the storage their values live in."""
-    groups: Dict[int, Set[fx.Node]] = {}
-    for node in nodes:
-        value = tensor_value(node)
-        key = storage_key(value) if value is not None else None
-        if key is not None:
-            groups.setdefault(key, set()).add(node)
-    return groups
+class NodeTable:
+    """The per-node facts of one graph that find, plan and liveness all read, taken in one
+    sweep: order and position, input nodes, tensor values and their storages, in-place
+    writes. One table serves every stage of one pass run over one version of the graph.
+
+    Invariant: the table describes ``graph`` as it was when built. Any edit of the graph
+    makes it stale; ``NodeTable.of`` builds a new one for a graph whose length changed
+    (every rewrite adds nodes), and the pass builds a new one after each rewrite.
+    """
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph = graph
+        self.nodes: List[fx.Node] = list(graph.nodes)
+        self.position: Dict[fx.Node, int] = {}
+        self.inputs: Dict[fx.Node, List[fx.Node]] = {}  # all_input_nodes
+        self.value: Dict[fx.Node, Optional[torch.Tensor]] = {}  # = tensor_value(node)
+        self.key: Dict[fx.Node, Optional[int]] = {}  # = storage_key(value), None if no value
+        #: every tensor the node produces (each output of a multi-output op), and for each a
+        #: storage identity: its storage key, or ("object", id) for a tensor without storage
+        self.tensors: Dict[fx.Node, List[torch.Tensor]] = {}
+        self.storages: Dict[fx.Node, List[Hashable]] = {}
+        self.writes: Dict[fx.Node, List[fx.Node]] = {}  # node -> inputs it writes (writers only)
+        self.mutators: Dict[fx.Node, List[fx.Node]] = {}  # written node -> its writers, in order
+        position, inputs, value, key = self.position, self.inputs, self.value, self.key
+        tensors, storages, writes, mutators = self.tensors, self.storages, self.writes, self.mutators
+        for i, node in enumerate(self.nodes):  # locals only: this loop is the pass's widest
+            position[node] = i
+            inputs[node] = node.all_input_nodes
+            meta = node.meta
+            raw = meta["val"] if "val" in meta else meta.get("example_value")
+            if isinstance(raw, torch.Tensor):
+                k = storage_key(raw)
+                value[node], key[node] = raw, k
+                tensors[node] = [raw]
+                storages[node] = [k or ("object", id(raw))]
+            else:
+                value[node] = key[node] = None
+                many = [v for v in raw if isinstance(v, torch.Tensor)] \
+                    if isinstance(raw, (list, tuple)) else []
+                tensors[node] = many
+                storages[node] = [storage_key(t) or ("object", id(t)) for t in many]
+            if node.op == "call_function" or node.op == "call_method":
+                written = mutated_inputs(node)
+                if written:
+                    writes[node] = written
+                    for target in written:
+                        mutators.setdefault(target, []).append(node)
+
+    @classmethod
+    def of(cls, graph: fx.Graph, table: Optional["NodeTable"] = None) -> "NodeTable":
+        """``table`` if it was built for ``graph`` and the graph still has its length, else
+        a new table."""
+        if table is not None and table.graph is graph and len(graph.nodes) == len(table.nodes):
+            return table
+        return cls(graph)
+
+    def alias_groups(self) -> Dict[int, Set[fx.Node]]:
+        """Nodes grouped by the storage their values live in."""
+        groups: Dict[int, Set[fx.Node]] = {}
+        for node, key in self.key.items():
+            if key is not None:
+                groups.setdefault(key, set()).add(node)
+        return groups

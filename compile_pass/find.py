@@ -9,16 +9,19 @@ with a reason, so the diff tool can show them.
 
 from __future__ import annotations
 
+import collections
+import functools
+import math
 import operator
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.fx as fx
 
 from compile_pass.dataflow import (
-    hint, is_cat, module_location, mutated_inputs, nbytes, source_line, storage_key, tensor_value,
+    NodeTable, hint, is_cat, nbytes, storage_key, tensor_value,
 )
-from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer
+from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Provenance
 
 __all__ = ["find_capture_groups", "find_output_groups", "classify_producer", "aten_packet",
            "exact_out_variant"]
@@ -52,27 +55,35 @@ def aten_packet(node: fx.Node) -> Optional[torch._ops.OpOverloadPacket]:
         return None
 
 
-def _tensor_inputs(node: fx.Node) -> List[fx.Node]:
-    return [a for a in node.all_input_nodes if tensor_value(a) is not None]
-
-
-def classify_producer(node: fx.Node) -> Producer:
-    """What produces ``node``'s value (see ``Producer``)."""
+def classify_producer(node: fx.Node, table: Optional[NodeTable] = None) -> Producer:
+    """What produces ``node``'s value (see ``Producer``); ``table``: its graph's table, to
+    read values and storages from instead of the nodes' metadata."""
     if node.op in ("placeholder", "get_attr"):
         return Producer.GRAPH_INPUT
-    value = tensor_value(node)
-    key = storage_key(value) if value is not None else None
+    if table is not None:
+        value_of, key_of = table.value.get, table.key.get
+    else:
+        value_of = tensor_value
+
+        def key_of(n: fx.Node) -> Optional[int]:
+            v = tensor_value(n)
+            return storage_key(v) if v is not None else None
+    value = value_of(node)
+    key = key_of(node) if value is not None else None
+
+    def shares_storage(inputs: List[fx.Node]) -> bool:
+        return key is not None and any(value_of(a) is not None and key_of(a) == key for a in inputs)
+
     if node.op == "call_function" and node.target is operator.getitem:
         source = node.args[0]  # one output of a multi-output op, or tensor indexing
-        if key is not None and tensor_value(source) is not None:
-            return Producer.VIEW if storage_key(tensor_value(source)) == key else Producer.OTHER
-        if isinstance(source, fx.Node) and classify_producer(source) is Producer.CUSTOM_OP:
+        if not isinstance(source, fx.Node):
+            return Producer.OTHER
+        if key is not None and value_of(source) is not None:
+            return Producer.VIEW if key_of(source) == key else Producer.OTHER
+        if classify_producer(source, table) is Producer.CUSTOM_OP:
             return Producer.CUSTOM_OP
-        inputs = _tensor_inputs(source) if isinstance(source, fx.Node) else []
-        if key is not None and any(storage_key(tensor_value(a)) == key for a in inputs):
-            return Producer.VIEW
-        return Producer.OTHER
-    if key is not None and any(storage_key(tensor_value(a)) == key for a in _tensor_inputs(node)):
+        return Producer.VIEW if shares_storage(source.all_input_nodes) else Producer.OTHER
+    if shares_storage(node.all_input_nodes):
         return Producer.VIEW
     if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
         return Producer.CUSTOM_OP
@@ -98,52 +109,69 @@ def classify_producer(node: fx.Node) -> Producer:
     else:  # torch IR: the tensor overload the call dispatches to
         overload = getattr(packet, "Tensor", None) or getattr(packet, "default", None)
     if overload is not None and torch.Tag.pointwise in overload.tags:
-        inputs = _tensor_inputs(node)
-        same_dtype = value is not None and all(tensor_value(a).dtype == value.dtype for a in inputs)
+        inputs = [value_of(a) for a in node.all_input_nodes if value_of(a) is not None]
+        same_dtype = value is not None and all(v.dtype == value.dtype for v in inputs)
         if name in _EXACT_ARITHMETIC and same_dtype and len(inputs) == 2:
             return Producer.EXACT_ARITHMETIC
         return Producer.POINTWISE
     return Producer.OTHER
 
 
+@functools.lru_cache(maxsize=1024)
+def _expr_str(expr: object) -> str:
+    return str(expr)  # sympy's printer: ~10 us, and a graph repeats a few expressions
+
+
 def _sym_str(size: object) -> str:
-    return str(size.node.expr) if isinstance(size, torch.SymInt) else str(size)
+    return _expr_str(size.node.expr) if isinstance(size, torch.SymInt) else str(size)
+
+
+def _same_size(a: object, b: object) -> bool:
+    """Two sizes are the same expression (an int equals a SymInt of that number); compares
+    the sympy expressions themselves rather than printing them."""
+    expr_a = a.node.expr if isinstance(a, torch.SymInt) else a
+    expr_b = b.node.expr if isinstance(b, torch.SymInt) else b
+    return bool(expr_a == expr_b)
 
 
 def _is_static(size: object) -> bool:
     return isinstance(size, int) or (isinstance(size, torch.SymInt) and size.node.expr.is_number)
 
 
-def _group_for(cat: fx.Node, following: Optional[Callable[[fx.Node], Iterable[fx.Node]]] = None
-               ) -> Optional[CaptureGroup]:
+def _group_for(cat: fx.Node, table: Optional[NodeTable] = None) -> Optional[CaptureGroup]:
+    """The group of one concat, FOUND or REJECTED with a reason; None if it concatenates
+    fewer than 2 values. ``table``: the graph's table (captures get locations from it)."""
     inputs = cat.args[0] if cat.args else cat.kwargs.get("tensors")
     dim_arg = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", cat.kwargs.get("axis", 0))
     out = tensor_value(cat)
     if not isinstance(inputs, (list, tuple)) or len(inputs) < 2 or out is None:
         return None
-    dim = dim_arg + out.dim() if isinstance(dim_arg, int) and dim_arg < 0 else dim_arg
+    out_shape = out.shape  # read once: each read of a fake tensor's sizes builds SymInts
+    rank = len(out_shape)
+    dim = dim_arg + rank if isinstance(dim_arg, int) and dim_arg < 0 else dim_arg
+    example_shape = tuple(hint(s) for s in out_shape)
     group = CaptureGroup(
         cat=cat, captures=[], dim=dim if isinstance(dim, int) else -1,
-        shape=tuple(_sym_str(s) for s in out.shape),
-        example_shape=tuple(hint(s) for s in out.shape),
-        dtype=out.dtype, device=out.device, packed_bytes=nbytes(out), packed_value=out,
+        shape=tuple(_sym_str(s) for s in out_shape), example_shape=example_shape,
+        dtype=out.dtype, device=out.device,
+        packed_bytes=math.prod(example_shape) * out.element_size(), packed_value=out,
     )
     if not isinstance(dim, int):
         return group.reject(f"concat dim {dim_arg!r} is not a constant int")
+    order = table.nodes if table is not None else None
     offset = 0
     for position, node in enumerate(inputs):
         value = tensor_value(node)
         if value is None:
             return group.reject(f"concat input {position} ({node!r}) is not a tensor node of this graph")
-        if value.dim() != out.dim():
-            return group.reject(
-                f"concat input {position} has {value.dim()} dims, the result has {out.dim()}"
-            )
-        width = value.shape[dim]
+        shape = value.shape
+        if len(shape) != rank:
+            return group.reject(f"concat input {position} has {len(shape)} dims, the result has {rank}")
+        width = shape[dim]
         group.captures.append(Capture(
             node=node, position=position, offset=offset, width=hint(width),
-            producer=classify_producer(node), source=source_line(node),
-            location=module_location(node, following(node)) if following is not None else "",
+            producer=classify_producer(node, table),
+            provenance=Provenance(node, order, table.position[node] if order is not None else 0),
         ))
         if not _is_static(width):
             return group.reject(
@@ -157,23 +185,21 @@ def _group_for(cat: fx.Node, following: Optional[Callable[[fx.Node], Iterable[fx
             )
         if value.device != out.device:
             return group.reject(f"capture {position} is on {value.device}, the result on {out.device}")
-        for d in range(out.dim()):
-            if d != dim and _sym_str(value.shape[d]) != _sym_str(out.shape[d]):
+        for d in range(rank):
+            if d != dim and not _same_size(shape[d], out_shape[d]):
                 return group.reject(
-                    f"capture {position} has size {_sym_str(value.shape[d])} in dim {d}, "
-                    f"the others {_sym_str(out.shape[d])}"
+                    f"capture {position} has size {_sym_str(shape[d])} in dim {d}, "
+                    f"the others {_sym_str(out_shape[d])}"
                 )
     return group
 
 
-_LAYER_BOUNDARIES = {Producer.MATMUL, Producer.BATCHED_MATMUL, Producer.CUSTOM_OP}
-
-
 def _may_be_boundary(node: fx.Node, cache: Dict[object, bool]) -> bool:
-    """Whether the op ``node`` calls can be a layer boundary at all, whatever its values:
-    a higher-order op, an op outside aten/prims, a (batched) matmul, or one output of such
-    an op. A cheap superset of ``classify_producer(node) in _LAYER_BOUNDARIES`` (which
-    also rules out views), cached per target: most nodes of a graph call a few ops."""
+    """Whether the op ``node`` calls is a layer boundary op: a higher-order op, an op
+    outside aten/prims, a (batched) matmul, or one output of such an op; the producers
+    ``classify_producer`` calls MATMUL, BATCHED_MATMUL or CUSTOM_OP, before it rules out
+    views (``_layer_depths`` does that from storages). Cached per target: most nodes of a
+    graph call a few ops."""
     target = node.target
     if target is operator.getitem:
         source = node.args[0] if node.args else None
@@ -199,36 +225,36 @@ def _may_be_boundary(node: fx.Node, cache: Dict[object, bool]) -> bool:
     return result
 
 
-def _layer_depths(order: List[fx.Node]) -> dict:
+def _layer_depths(table: NodeTable) -> Dict[fx.Node, int]:
     """Per node: the longest chain of matmuls and opaque ops it depends on (its "layer").
 
     An in-place write is a dependency too: a value read after a node mutated its storage
     (a residual updated by a fused add-RMSNorm) depends on that node. One pass over the
-    graph: each node's storage is looked up once, and only nodes whose op may be a
-    boundary are classified.
+    graph's table; only nodes whose op may be a boundary are classified.
     """
-    depth: dict = {}
-    written_at: dict = {}  # storage -> depth of its latest in-place writer
-    key_of: dict = {}  # node -> storage of its value (None: not a tensor)
+    depth: Dict[fx.Node, int] = {}
+    # storage -> depth of its latest in-place writer (0: none; None, no storage, stays 0)
+    written_at: Dict[Optional[int], int] = collections.defaultdict(int)
+    key, inputs_of, writes = table.key, table.inputs, table.writes
+    depth_of, key_of, written_depth = depth.__getitem__, key.__getitem__, written_at.__getitem__
     boundary_ops: Dict[object, bool] = {}
-    for n in order:
-        inputs = n.all_input_nodes
-        base = max([depth.get(a, 0) for a in inputs], default=0)
-        if written_at:
-            base = max([base] + [written_at.get(key_of.get(a), 0) for a in inputs])
-        # one output of a multi-output op is as deep as the op (counted at the op itself)
-        boundary = (n.op == "call_function" and n.target is not operator.getitem
-                    and _may_be_boundary(n, boundary_ops)
-                    and classify_producer(n) in _LAYER_BOUNDARIES)
-        depth[n] = base + boundary
-        value = tensor_value(n)
-        key_of[n] = storage_key(value) if value is not None else None
-        for mutated in mutated_inputs(n):
-            if mutated not in key_of:
-                value = tensor_value(mutated)
-                key_of[mutated] = storage_key(value) if value is not None else None
-            if key_of[mutated] is not None:
-                written_at[key_of[mutated]] = depth[n]
+    for n in table.nodes:  # graph order is topological: every input's depth is known
+        inputs = inputs_of[n]
+        base = 0
+        if inputs:
+            base = max(map(depth_of, inputs))
+            if written_at:
+                base = max(base, max(map(written_depth, map(key_of, inputs))))
+        # one output of a multi-output op is as deep as the op (counted at the op itself);
+        # a boundary op's view of its input (classify_producer's VIEW) is no boundary
+        if (n.op == "call_function" and n.target is not operator.getitem
+                and _may_be_boundary(n, boundary_ops)
+                and (key[n] is None or all(key[a] != key[n] for a in inputs))):
+            base += 1
+        depth[n] = base
+        for mutated in writes.get(n, ()):
+            if key[mutated] is not None:
+                written_at[key[mutated]] = base
     return depth
 
 
@@ -244,28 +270,24 @@ def _spans_layers(group: CaptureGroup, depth: dict) -> bool:
     return len({depth[c.node] for c in group.captures}) > 1
 
 
-def find_capture_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureGroup]:
+def find_capture_groups(graph_module: fx.GraphModule | fx.Graph,
+                        table: Optional[NodeTable] = None) -> List[CaptureGroup]:
     """All concat capture groups of a Dynamo (torch IR) or AOT/post-grad (aten IR) graph.
 
     Groups are in graph order; each is FOUND or already REJECTED with a reason. Finding
-    does not change the graph.
+    does not change the graph. ``table``: the graph's ``NodeTable`` if one is at hand.
     """
     graph = graph_module.graph if isinstance(graph_module, fx.GraphModule) else graph_module
+    table = NodeTable.of(graph, table)
     groups = []
-    order = list(graph.nodes)
-    depth: Optional[dict] = None
-    position = {n: i for i, n in enumerate(order)}
-
-    def following(node: fx.Node, window: int = 64) -> List[fx.Node]:
-        return order[position[node] + 1:position[node] + 1 + window]
-
-    for node in order:
+    depth: Optional[Dict[fx.Node, int]] = None
+    for node in table.nodes:
         if is_cat(node):
-            group = _group_for(node, following)
+            group = _group_for(node, table)
             if group is None:
                 continue
             if group.decision is Decision.FOUND and depth is None:
-                depth = _layer_depths(order)
+                depth = _layer_depths(table)
             if group.decision is Decision.FOUND and not _spans_layers(group, depth):
                 group.reject("all captures come out of one block (each depends on the same "
                              "number of matmuls and opaque ops): not a cross-layer capture, left "
@@ -283,7 +305,7 @@ def _output_values(graph: fx.Graph) -> List[object]:
 def _packable_together(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal leading shape, dtype and device: ``b`` can sit next to ``a`` along the last dim."""
     return (a.dim() == b.dim() >= 1 and a.dtype == b.dtype and a.device == b.device
-            and [_sym_str(s) for s in a.shape[:-1]] == [_sym_str(s) for s in b.shape[:-1]])
+            and all(_same_size(x, y) for x, y in zip(a.shape[:-1], b.shape[:-1])))
 
 
 def _output_runs(values: List[object]) -> List[List[int]]:
@@ -311,7 +333,8 @@ def _packed_fake(like: torch.Tensor, shape: List[object], requires_grad: bool) -
         return torch.empty(shape, dtype=like.dtype, device=like.device).requires_grad_(requires_grad)
 
 
-def find_output_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureGroup]:
+def find_output_groups(graph_module: fx.GraphModule | fx.Graph,
+                       table: Optional[NodeTable] = None) -> List[CaptureGroup]:
     """Groups of captures the graph returns for its caller to pack (``pack_outputs``).
 
     A group is a maximal run of >= 2 consecutive returned tensors with one leading shape
@@ -321,16 +344,17 @@ def find_output_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureG
     final norm adds no depth to a last capture of the last layer's output), that value is
     not a capture; if fewer than 2 values remain (the result and one capture: the other
     captures may be inputs Dynamo returns itself) the run is no group.
-    Captures are packed along the last dim, in output order.
+    Captures are packed along the last dim, in output order. ``table``: the graph's
+    ``NodeTable`` if one is at hand.
     """
     graph = graph_module.graph if isinstance(graph_module, fx.GraphModule) else graph_module
-    order = list(graph.nodes)
-    output = order[-1]
     values = _output_values(graph)
     runs = _output_runs(values)
     if not runs:
         return []
-    depth = _layer_depths(order)
+    table = NodeTable.of(graph, table)
+    output = table.nodes[-1]
+    depth = _layer_depths(table)
     groups: List[CaptureGroup] = []
     for run in runs:
         first_depth = depth.get(values[run[0]], 0)
@@ -351,7 +375,7 @@ def find_output_groups(graph_module: fx.GraphModule | fx.Graph) -> List[CaptureG
             width = tensor_value(node).shape[dim]
             group.captures.append(Capture(
                 node=node, position=position, offset=offset, width=hint(width),
-                producer=classify_producer(node), source=source_line(node),
+                producer=classify_producer(node, table), provenance=Provenance(node),
             ))
             offset += hint(width)
             width_sum = width_sum + width

@@ -9,14 +9,18 @@ reads is set by an earlier one; nothing is re-derived.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
-__all__ = ["Producer", "Strategy", "Decision", "GroupKind", "Capture", "CaptureGroup", "summarize"]
+from compile_pass.dataflow import module_location, source_line
+
+__all__ = ["Producer", "Strategy", "Decision", "GroupKind", "Provenance", "Capture", "CaptureGroup",
+           "summarize"]
 
 
 class Producer(str, Enum):
@@ -54,6 +58,31 @@ class Decision(str, Enum):
     REJECT = "reject"
 
 
+class Provenance:
+    """Where a captured value comes from, for people (the diff tool, logs): the user source
+    line of its producer and its place in the model, read from node metadata of the graph
+    as it was when the capture was found (``order``: that graph's nodes, ``index``: the
+    node's place among them; without them no location is given).
+
+    Read on first use: no decision of the pass needs it, and a 61-layer graph has
+    hundreds of concats (RoPE, MLA) whose provenance nobody reads.
+    """
+
+    def __init__(self, node: fx.Node, order: Optional[Sequence[fx.Node]] = None,
+                 index: int = 0) -> None:
+        self._node, self._order, self._index = node, order, index
+
+    @functools.cached_property
+    def source(self) -> str:
+        return source_line(self._node)
+
+    @functools.cached_property
+    def location(self) -> str:
+        if self._order is None:
+            return ""
+        return module_location(self._node, self._order[self._index + 1:self._index + 65])
+
+
 @dataclass
 class Capture:
     """One input of the concat: a captured value and how it will be written."""
@@ -63,12 +92,21 @@ class Capture:
     offset: int  # start of its slice along the concat dim
     width: int  # its size along the concat dim
     producer: Producer
-    source: str  # user source line of the producer, from node metadata
-    location: str = ""  # where in the model: "input of layers.2", "in layers.3.mlp"
+    provenance: Optional[Provenance] = field(default=None, repr=False, compare=False)
     write_after: Optional[fx.Node] = None  # planned: the write goes right after this node
     hoist_after: Optional[fx.Node] = None  # planned: the producer first moves right after this
     strategy: Optional[Strategy] = None
     note: str = ""  # why this strategy (e.g. "mutated in place at add_ (line 40)")
+
+    @property
+    def source(self) -> str:
+        """User source line of the producer: 'llama.py:80 (forward): aux.append(h + r)'."""
+        return self.provenance.source if self.provenance is not None else ""
+
+    @property
+    def location(self) -> str:
+        """Where in the model: 'input of layers.2', 'in layers.3.mlp' ('' if unknown)."""
+        return self.provenance.location if self.provenance is not None else ""
 
     def to_dict(self) -> Dict[str, Any]:
         return {

@@ -25,7 +25,7 @@ from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional
 import torch
 import torch.fx as fx
 
-from compile_pass.dataflow import hint, nbytes, storage_key
+from compile_pass.dataflow import NodeTable, hint, nbytes
 
 __all__ = ["Interval", "LivenessModel", "MemoryTimeline", "estimate_memory"]
 
@@ -60,15 +60,6 @@ class Interval:
     last: int
 
 
-def _value_tensors(node: fx.Node) -> List[torch.Tensor]:
-    value = node.meta.get("val", node.meta.get("example_value"))
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, torch.Tensor)]
-    return []
-
-
 def _storage_bytes(t: torch.Tensor) -> int:
     try:
         return hint(t.untyped_storage().nbytes())
@@ -80,51 +71,59 @@ class LivenessModel:
     """Storage intervals of one graph (see the module docstring for the model)."""
 
     def __init__(self, graph: fx.Graph,
-                 computed_into: Optional[Mapping[fx.Node, fx.Node]] = None) -> None:
-        self.nodes = list(graph.nodes)
-        self.position = {n: i for i, n in enumerate(self.nodes)}
+                 computed_into: Optional[Mapping[fx.Node, fx.Node]] = None,
+                 table: Optional[NodeTable] = None) -> None:
+        table = NodeTable.of(graph, table)
+        self.nodes = table.nodes
+        self.position = table.position
         self.end = 2 * len(self.nodes)
-        computed_into = computed_into or {}
-        self.keys_of: Dict[fx.Node, List[Hashable]] = {}
-        self.nodes_of: Dict[Hashable, List[fx.Node]] = {}
+        tensors, inputs_of = table.tensors, table.inputs
+        # storages each node holds: its own, those of the value computed into, none for the
+        # output node (its metadata may even describe values a rewrite replaced)
+        self.keys_of: Dict[fx.Node, List[Hashable]] = dict(table.storages)
+        source_of: Dict[fx.Node, fx.Node] = dict(computed_into or {})
+        for node, target in source_of.items():
+            self.keys_of[node] = table.storages[target]
+        self._nodes_of: Optional[Dict[Hashable, List[fx.Node]]] = None  # see nodes_of
         born: Dict[Hashable, int] = {}
         size: Dict[Hashable, int] = {}
         last: Dict[Hashable, int] = {}  # = last_read(key), filled in the same sweep
         preexisting = set()
+        keys_of = self.keys_of
         for i, node in enumerate(self.nodes):
             time = 2 * i
-            if node.op == "output":
-                # allocates nothing (its metadata may even describe values a rewrite
-                # replaced); what it returns is read at the end
-                for arg in node.all_input_nodes:
-                    for key in self.keys_of[arg]:
-                        last[key] = self.end
-                self.keys_of[node] = []
-                continue
-            for arg in node.all_input_nodes:  # node is a user of arg: it reads arg's storages
-                for key in self.keys_of[arg]:
+            if node.op == "output":  # what it returns is read at the end
+                keys_of[node] = []
+                time = self.end
+            for arg in inputs_of[node]:  # node is a user of arg: it reads arg's storages
+                for key in keys_of[arg]:
                     last[key] = time
-            target = computed_into.get(node) if computed_into else None
-            keys: List[Hashable] = []
+            keys = keys_of[node]
+            if not keys:
+                continue
             is_input = node.op in ("placeholder", "get_attr")
-            for t in _value_tensors(target if target is not None else node):
-                key = storage_key(t) or ("object", id(t))
-                keys.append(key)
-                self.nodes_of.setdefault(key, []).append(node)
+            for key, t in zip(keys, tensors[source_of.get(node, node)]):
                 last[key] = time  # times only grow: the latest reader so far is this node
-                if key in preexisting:
+                if key in born or key in preexisting:
                     continue
-                if key in born:
-                    born[key] = min(born[key], time)
-                elif is_input:
+                if is_input:
                     preexisting.add(key)
                 else:
                     born[key], size[key] = time, _storage_bytes(t)
-            self.keys_of[node] = keys
         self.intervals: Dict[Hashable, Interval] = {
             key: Interval(size[key], start, last[key]) for key, start in born.items()
         }
         self._sweep_timeline()
+
+    @property
+    def nodes_of(self) -> Dict[Hashable, List[fx.Node]]:
+        """Storage -> the nodes holding it, in graph order (built on first use)."""
+        if self._nodes_of is None:
+            self._nodes_of = {}
+            for node in self.nodes:
+                for key in self.keys_of[node]:
+                    self._nodes_of.setdefault(key, []).append(node)
+        return self._nodes_of
 
     def _sweep_timeline(self) -> None:
         """The unchanged timeline, swept once (pricing a change only adds its difference),

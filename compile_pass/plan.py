@@ -23,11 +23,11 @@ the capture is written as soon as its value can exist.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Set
+from typing import Optional, Set
 
 import torch.fx as fx
 
-from compile_pass.dataflow import alias_groups, mutated_inputs, source_line, storage_key, tensor_value
+from compile_pass.dataflow import NodeTable, source_line
 from compile_pass.find import exact_out_variant
 from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Strategy
 
@@ -35,23 +35,22 @@ __all__ = ["GraphFacts", "plan_group"]
 
 
 class GraphFacts:
-    """Per-graph facts the planner reads: node order, aliases, in-place writers."""
+    """Per-graph facts the planner reads: node order, aliases, in-place writers (from the
+    graph's ``NodeTable``; pass the one the finder used to avoid another sweep)."""
 
-    def __init__(self, graph: fx.Graph) -> None:
+    def __init__(self, graph: fx.Graph, table: Optional[NodeTable] = None) -> None:
+        table = NodeTable.of(graph, table)
         self.graph = graph
-        self.nodes = list(graph.nodes)
-        self.position = {n: i for i, n in enumerate(self.nodes)}
-        self.aliases = alias_groups(self.nodes)
+        self.table = table
+        self.nodes = table.nodes
+        self.position = table.position
+        self.aliases = table.alias_groups()
         placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.last_placeholder: Optional[fx.Node] = placeholders[-1] if placeholders else None
-        self.mutators: Dict[fx.Node, List[fx.Node]] = {}
-        for node in self.nodes:
-            for target in mutated_inputs(node):
-                self.mutators.setdefault(target, []).append(node)
+        self.mutators = table.mutators
 
     def alias_set(self, node: fx.Node) -> Set[fx.Node]:
-        value = tensor_value(node)
-        key = storage_key(value) if value is not None else None
+        key = self.table.key.get(node)
         return set(self.aliases.get(key, {node})) | {node} if key is not None else {node}
 
     def last_mutation(self, node: fx.Node, after: int, before: int) -> Optional[fx.Node]:

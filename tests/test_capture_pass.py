@@ -6,6 +6,7 @@ backends; each rewritten graph is run as is and compared bitwise with the origin
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, List
 
 import pytest
@@ -15,8 +16,10 @@ from torch._dynamo.backends.common import aot_autograd
 from functorch.compile import make_boxed_func
 
 import models
+from compile_pass import find as find_module
 from compile_pass import find_capture_groups, run_capture_pass
-from compile_pass.capture_pass import TARGETS
+from compile_pass.capture_pass import TARGETS, copy_graph
+from compile_pass.find import classify_producer
 from compile_pass.cost import planned_peak
 from compile_pass.groups import Decision, Producer, Strategy
 from compile_pass.liveness import LivenessModel, estimate_memory
@@ -322,3 +325,84 @@ def test_captures_are_located_at_their_layers():
     [group] = [g for g in find_capture_groups(gm) if g.k == model.num_captures]
     expected = [f"input of layers.{i}" for i in model.config.layers_to_capture]
     assert [c.location for c in group.captures] == expected
+
+
+# -- the node table: one sweep of per-node facts that find, plan and liveness share ---------
+
+
+def _reference_depths(graph: fx.Graph) -> dict:
+    """Layer depths by their definition: classify every node, count MATMUL / BATCHED_MATMUL
+    / CUSTOM_OP producers (not one output of a multi-output op), and in-place writes."""
+    from compile_pass.dataflow import mutated_inputs, storage_key, tensor_value
+
+    def key(n):
+        v = tensor_value(n)
+        return storage_key(v) if v is not None else None
+
+    boundaries = {Producer.MATMUL, Producer.BATCHED_MATMUL, Producer.CUSTOM_OP}
+    depth, written_at = {}, {}
+    for n in graph.nodes:
+        base = max([depth[a] for a in n.all_input_nodes] + [written_at.get(key(a), 0) for a in n.all_input_nodes],
+                   default=0)
+        if n.op == "call_function" and n.target is not operator.getitem and classify_producer(n) in boundaries:
+            base += 1
+        depth[n] = base
+        for m in mutated_inputs(n):
+            if key(m) is not None:
+                written_at[key(m)] = base
+    return depth
+
+
+@pytest.fixture(scope="module")
+def deepseek_graphs():
+    """Dynamo and AOT graphs of the tiny DeepSeek (MLA, MoE, an in-place fused add-RMSNorm
+    custom op on the residual, multi-output ops)."""
+    model, inputs = models.deepseek.tiny(capture_mode="list", tokens=16)
+    return {"dynamo": dynamo_graph(model, *inputs), "aot": aot_graph(model, *inputs)}
+
+
+@pytest.mark.parametrize("kind", ["dynamo", "aot"])
+def test_node_table_agrees_with_the_per_node_functions(deepseek_graphs, kind):
+    from compile_pass.dataflow import NodeTable, mutated_inputs, storage_key, tensor_value
+
+    graph = deepseek_graphs[kind].graph
+    table = NodeTable(graph)
+    assert table.nodes == list(graph.nodes)
+    for i, n in enumerate(graph.nodes):
+        value = tensor_value(n)
+        assert table.position[n] == i and table.value[n] is value
+        assert table.key[n] == (storage_key(value) if value is not None else None)
+        assert table.writes.get(n, []) == mutated_inputs(n)
+        assert classify_producer(n, table) is classify_producer(n), n.format_node()
+    if kind == "dynamo":  # AOTAutograd functionalizes the write
+        assert table.writes, "the fused add-RMSNorm writes the residual in place"
+    # the fast boundary rule (op kind from the target, views ruled out by storage) gives
+    # the depths the definition gives
+    assert find_module._layer_depths(table) == _reference_depths(graph)
+
+
+def test_node_table_is_rebuilt_for_a_changed_graph(deepseek_graphs):
+    from compile_pass.dataflow import NodeTable
+
+    graph = copy_graph(deepseek_graphs["dynamo"].graph)[0]
+    table = NodeTable(graph)
+    assert NodeTable.of(graph, table) is table
+    assert NodeTable.of(copy_graph(graph)[0], table) is not table  # another graph
+    placeholder = next(iter(graph.nodes))
+    with graph.inserting_after(placeholder):
+        graph.call_function(torch.ops.aten.clone.default, (placeholder,))
+    rebuilt = NodeTable.of(graph, table)
+    assert rebuilt is not table and len(rebuilt.nodes) == len(table.nodes) + 1
+
+
+def test_provenance_is_read_from_the_graph_as_found():
+    """Source lines and locations are read on first use, from the graph as it was found:
+    rewriting it afterwards does not change what the captures report."""
+    model, inputs = models.llama.tiny(capture_mode="list", tokens=16)
+    gm = dynamo_graph(model, *inputs)
+    expected = [f"input of layers.{i}" for i in model.config.layers_to_capture]
+    result = run_capture_pass(gm, "dynamo", cost_model=False)
+    [group] = [g for g in result.groups if g.k == model.num_captures]
+    assert group.decision is Decision.REWRITE, group.reason
+    assert [c.location for c in group.captures] == expected
+    assert all("aux.append" in c.source for c in group.captures)
