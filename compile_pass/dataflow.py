@@ -18,7 +18,7 @@ import contextvars
 import functools
 import operator
 import os
-from typing import Any, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Hashable, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -286,10 +286,14 @@ class NodeTable:
             return table
         return cls(graph)
 
-    def alias_groups(self) -> Dict[int, Set[fx.Node]]:
-        """Nodes grouped by the storage their values live in."""
-        groups: Dict[int, Set[fx.Node]] = {}
-        for node, key in self.key.items():
-            if key is not None:
-                groups.setdefault(key, set()).add(node)
-        return groups
+    @functools.cached_property
+    def holders(self) -> Dict[Hashable, List[fx.Node]]:
+        """Storage -> the nodes whose values (any output of a multi-output op) live in it,
+        in graph order: a value and all its aliases. The output node holds nothing (it
+        returns what others hold)."""
+        holders: Dict[Hashable, List[fx.Node]] = {}
+        for node, keys in self.storages.items():
+            if node.op != "output":
+                for key in keys:
+                    holders.setdefault(key, []).append(node)
+        return holders

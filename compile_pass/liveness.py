@@ -84,7 +84,8 @@ class LivenessModel:
         source_of: Dict[fx.Node, fx.Node] = dict(computed_into or {})
         for node, target in source_of.items():
             self.keys_of[node] = table.storages[target]
-        self._nodes_of: Optional[Dict[Hashable, List[fx.Node]]] = None  # see nodes_of
+        self._table, self._computed_into = table, bool(source_of)
+        self._nodes_of: Optional[Dict[Hashable, List[fx.Node]]] = None
         born: Dict[Hashable, int] = {}
         size: Dict[Hashable, int] = {}
         last: Dict[Hashable, int] = {}  # = last_read(key), filled in the same sweep
@@ -117,7 +118,10 @@ class LivenessModel:
 
     @property
     def nodes_of(self) -> Dict[Hashable, List[fx.Node]]:
-        """Storage -> the nodes holding it, in graph order (built on first use)."""
+        """Storage -> the nodes holding it, in graph order: the table's ``holders``
+        unless values are computed into others' storages (then built on first use)."""
+        if not self._computed_into:
+            return self._table.holders
         if self._nodes_of is None:
             self._nodes_of = {}
             for node in self.nodes:

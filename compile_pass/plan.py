@@ -44,14 +44,14 @@ class GraphFacts:
         self.table = table
         self.nodes = table.nodes
         self.position = table.position
-        self.aliases = table.alias_groups()
         placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.last_placeholder: Optional[fx.Node] = placeholders[-1] if placeholders else None
         self.mutators = table.mutators
 
     def alias_set(self, node: fx.Node) -> Set[fx.Node]:
+        """``node`` and every node whose value shares its storage."""
         key = self.table.key.get(node)
-        return set(self.aliases.get(key, {node})) | {node} if key is not None else {node}
+        return set(self.table.holders.get(key, ())) | {node} if key is not None else {node}
 
     def last_mutation(self, node: fx.Node, after: int, before: int) -> Optional[fx.Node]:
         """The last node strictly between positions ``after`` and ``before`` that writes
