@@ -20,7 +20,6 @@ Inductor without the pass).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import _report  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
 import models  # noqa: E402
 from compile_pass import pack_aux_hidden_states  # noqa: E402
 from compile_pass.backend import aux_capture_backend  # noqa: E402
@@ -149,7 +149,7 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
         ratio = f"{r['time_ratio_vs_no_pass']:.2f}" if "time_ratio_vs_no_pass" in r else ""
         pass_ms = (f"{1000 * max(r['pass_seconds_per_graph']):.1f}"
                    if r.get("pass_seconds_per_graph") else "")
-        equal = "" if r["bitwise_equal"] is None else ("yes" if r["bitwise_equal"] else "NO")
+        equal = _report.yes_no(r["bitwise_equal"])
         lines.append(
             f"{r['model']:16} {r['config']:17} {r['tokens']:>6} {r['execution']:10} {r['variant']:10} "
             f"{r['peak_bytes'] / 2**20:9.1f} {r['packed_bytes'] / 2**20:7.1f} {r['overhead']:8.2f} "
@@ -158,18 +158,16 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
 
 
 def format_markdown(rows: List[Dict[str, Any]]) -> str:
-    lines = ["| model | config | T | execution | capture | peak MiB | packed MiB | overhead | bitwise "
-             "| time pass/no pass | pass ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    cells = []
     for r in rows:
-        equal = "" if r["bitwise_equal"] is None else ("yes" if r["bitwise_equal"] else "NO")
         pass_ms = (f"{1000 * max(r['pass_seconds_per_graph']):.0f}"
                    if r.get("pass_seconds_per_graph") else "")
         ratio = f"{r['time_ratio_vs_no_pass']:.2f}" if "time_ratio_vs_no_pass" in r else ""
-        lines.append(f"| {r['model']} | {r['config']} | {r['tokens']} | {r['execution']} | {r['variant']} "
-                     f"| {r['peak_bytes'] / 2**20:.1f} | {r['packed_bytes'] / 2**20:.1f} "
-                     f"| {r['overhead']:.2f} | {equal} | {ratio} | {pass_ms} |")
-    return "\n".join(lines)
+        cells.append((r["model"], r["config"], r["tokens"], r["execution"], r["variant"],
+                      f"{r['peak_bytes'] / 2**20:.1f}", f"{r['packed_bytes'] / 2**20:.1f}",
+                      f"{r['overhead']:.2f}", _report.yes_no(r["bitwise_equal"]), ratio, pass_ms))
+    return _report.markdown_table(("model", "config", "T", "execution", "capture", "peak MiB", "packed MiB",
+                                   "overhead", "bitwise", "time pass/no pass", "pass ms"), cells)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -181,17 +179,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument("--render", default=None, metavar="JSON",
-                        help="print an earlier run's JSON as a markdown table, run nothing")
+    _report.add_output_args(parser)
     args = parser.parse_args(argv)
     if args.render:
-        with open(args.render) as f:
-            saved = json.load(f)
-        print(f"<!-- python benchmarks/capture_memory.py {' '.join(saved['argv'])} "
-              f"(torch {saved['torch']}) -->")
-        print(format_markdown(saved["rows"]))
-        return 0
+        return _report.render(args.render, "python benchmarks/capture_memory.py",
+                              lambda saved: format_markdown(saved["rows"]))
     dtype = getattr(torch, args.dtype)
     rows: List[Dict[str, Any]] = []
     for model_name in args.models.split(","):
@@ -202,11 +194,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(format_table(rows[-(4 + 3 * len(args.inners.split(","))):]), flush=True)
     print()
     print(format_table(rows))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"torch": torch.__version__, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
-        print(f"\nwrote {args.out}")
+    _report.write_out(args.out, {"rows": rows})
     return 0 if all(r["bitwise_equal"] in (None, True) for r in rows) else 1
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -55,6 +54,7 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import _report  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
 from compile_pass import pack_aux_hidden_states  # noqa: E402
 from compile_pass.backend import aux_capture_backend  # noqa: E402
 from compile_pass.cudagraph import CudaGraphRunner  # noqa: E402
@@ -138,18 +138,15 @@ class Bench:
     def save(self) -> None:
         if not self.args.out:
             return
-        os.makedirs(os.path.dirname(os.path.abspath(self.args.out)), exist_ok=True)
-        meta = {"torch": torch.__version__, "argv": sys.argv[1:], "device": self.device,
-                "device_name": torch.cuda.get_device_name() if self.device == "cuda" else "cpu",
-                "seconds": time.perf_counter() - self.start, "skipped": self.skipped}
-        with open(self.args.out + ".tmp", "w") as f:
-            json.dump({**meta, "rows": self.rows}, f, indent=1)
-        os.replace(self.args.out + ".tmp", self.args.out)
+        _report.write_json(self.args.out, {
+            "device": self.device,
+            "device_name": torch.cuda.get_device_name() if self.device == "cuda" else "cpu",
+            "seconds": time.perf_counter() - self.start, "skipped": self.skipped, "rows": self.rows})
 
     def add(self, row: Dict[str, Any]) -> None:
         self.rows.append(row)
         r = row
-        equal = "" if r.get("bitwise_equal") is None else ("yes" if r["bitwise_equal"] else "NO")
+        equal = _report.yes_no(r.get("bitwise_equal"))
         print(f"{r['model']:7} T={r['tokens']:>6} {r['execution']:12} {r['variant']:15} "
               f"peak {r['peak_bytes'] / 2**20:9.1f} MiB  packed {r['packed_bytes'] / 2**20:7.1f}  "
               f"overhead {r['overhead']:6.2f}  equal {equal:3}  {r.get('note', '')}", flush=True)
@@ -300,21 +297,18 @@ def run_plan(names: List[str], executions: List[str]) -> List[Tuple[str, str]]:
 
 
 def format_markdown(saved: Dict[str, Any]) -> str:
-    """A saved run as a markdown table (one row per model, execution, variant and T)."""
-    lines = [f"<!-- python benchmarks/gpu_capture_memory.py {' '.join(saved['argv'])} "
-             f"(torch {saved['torch']}, {saved['device_name']}) -->",
-             "| model | T | execution | capture | peak MiB | packed MiB | overhead | bitwise "
-             "| replay peak MiB | note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in saved["rows"]:
-        equal = "" if r["bitwise_equal"] is None else ("yes" if r["bitwise_equal"] else "NO")
-        replay = "" if r.get("replay_peak_bytes") is None else f"{r['replay_peak_bytes'] / 2**20:.1f}"
-        lines.append(f"| {r['model']} | {r['tokens']} | {r['execution']} | {r['variant']} "
-                     f"| {r['peak_bytes'] / 2**20:.1f} | {r['packed_bytes'] / 2**20:.1f} "
-                     f"| {r['overhead']:.2f} | {equal} | {replay} | {r.get('note', '')} |")
+    """A saved run as a markdown table (one row per model, execution, variant and T), then
+    what the time budget skipped."""
+    table = _report.markdown_table(
+        ("model", "T", "execution", "capture", "peak MiB", "packed MiB", "overhead", "bitwise",
+         "replay peak MiB", "note"),
+        [(r["model"], r["tokens"], r["execution"], r["variant"], f"{r['peak_bytes'] / 2**20:.1f}",
+          f"{r['packed_bytes'] / 2**20:.1f}", f"{r['overhead']:.2f}", _report.yes_no(r["bitwise_equal"]),
+          "" if r.get("replay_peak_bytes") is None else f"{r['replay_peak_bytes'] / 2**20:.1f}",
+          r.get("note", "")) for r in saved["rows"]])
     if saved.get("skipped"):
-        lines.append(f"\nSkipped (time budget): {', '.join(saved['skipped'])}")
-    return "\n".join(lines)
+        table += f"\n\nSkipped (time budget): {', '.join(saved['skipped'])}"
+    return table
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -330,14 +324,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="comma list: run only these capture variants (default: all of each execution)")
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help="start no new (execution, variant) after this many seconds")
-    parser.add_argument("--out", default=None, help="JSON file, rewritten after every row")
-    parser.add_argument("--render", default=None, metavar="JSON",
-                        help="print a saved run as a markdown table, run nothing")
+    _report.add_output_args(parser, out_help="JSON file, rewritten after every row",
+                            render_help="print a saved run as a markdown table, run nothing")
     args = parser.parse_args(argv)
     if args.render:
-        with open(args.render) as f:
-            print(format_markdown(json.load(f)))
-        return 0
+        return _report.render(args.render, "python benchmarks/gpu_capture_memory.py", format_markdown,
+                              details=lambda saved: [saved["device_name"]])
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch.cuda.is_available() is False")
     executions = args.executions.split(",")

@@ -27,7 +27,6 @@ the first style's no-pass row; with the pass, with the same style's no-pass row.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -36,6 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import _report  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
 from compile_pass import aux_capture_backend, measure_peak  # noqa: E402
 from models import hf  # noqa: E402
 
@@ -120,14 +120,11 @@ def bench(family: str, tokens: int, layers: Tuple[int, ...], inners: List[str], 
 
 
 def format_markdown(rows: List[Dict[str, Any]]) -> str:
-    lines = ["| execution | style | pass | peak MiB | packed MiB | overhead | bitwise | decision |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        equal = "" if r["bitwise_equal"] is None else ("yes" if r["bitwise_equal"] else "NO")
-        decision = "; ".join(r.get("decisions", []))
-        lines.append(f"| {r['execution']} | {r['style']} | {r['variant']} | {r['peak_bytes'] / 2**20:.2f} "
-                     f"| {r['packed_bytes'] / 2**20:.2f} | {r['overhead']:.2f} | {equal} | {decision} |")
-    return "\n".join(lines)
+    return _report.markdown_table(
+        ("execution", "style", "pass", "peak MiB", "packed MiB", "overhead", "bitwise", "decision"),
+        [(r["execution"], r["style"], r["variant"], f"{r['peak_bytes'] / 2**20:.2f}",
+          f"{r['packed_bytes'] / 2**20:.2f}", f"{r['overhead']:.2f}", _report.yes_no(r["bitwise_equal"]),
+          "; ".join(r.get("decisions", []))) for r in rows])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -147,16 +144,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                              "models.hf.default_layers (Eagle3's [2, L//2, L-3] for L >= 7)")
     parser.add_argument("--inners", default=",".join(INNERS))
     parser.add_argument("--styles", default=",".join(STYLES))
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument("--render", default=None, metavar="JSON", help="print a saved run as markdown, run nothing")
+    _report.add_output_args(parser, render_help="print a saved run as markdown, run nothing")
     args = parser.parse_args(argv)
     if args.render:
-        with open(args.render) as f:
-            saved = json.load(f)
-        print(f"<!-- PYTHONPATH=. python benchmarks/hf_capture.py {' '.join(saved['argv'])} "
-              f"(torch {saved['torch']}, transformers {saved['transformers']}) -->")
-        print(format_markdown(saved["rows"]))
-        return 0
+        return _report.render(args.render, "PYTHONPATH=. python benchmarks/hf_capture.py",
+                              lambda saved: format_markdown(saved["rows"]),
+                              details=lambda saved: [f"transformers {saved['transformers']}"])
     transformers = hf.require_transformers()
     layers = tuple(int(i) for i in args.layers.split(",")) if args.layers else tuple(hf.default_layers(args.num_layers))
     styles = args.styles.split(",")
@@ -173,12 +166,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"{args.family} {config}, captures {list(layers)}, {args.tokens} tokens, fp32, CPU "
           f"(torch {torch.__version__}, transformers {transformers.__version__})")
     print(format_markdown(rows))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"torch": torch.__version__, "transformers": transformers.__version__,
-                       "argv": sys.argv[1:] if argv is None else argv, "rows": rows}, f, indent=1)
-        print(f"\nwrote {args.out}")
+    _report.write_out(args.out, {"rows": rows}, argv=argv, versions={"transformers": transformers.__version__})
     return 0 if all(r["bitwise_equal"] in (None, True) for r in rows) else 1
 
 

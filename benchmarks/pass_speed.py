@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import statistics
@@ -48,6 +47,7 @@ sys.path.insert(0, _repo_from_argv(sys.argv[1:]))
 import torch  # noqa: E402
 import torch.fx as fx  # noqa: E402
 
+import _report  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
 from compile_pass.backend import AuxCaptureBackend  # noqa: E402
 from compile_pass.capture_pass import copy_graph, run_capture_pass  # noqa: E402
 from models.deepseek import DeepseekModel, deepseek_v3_config  # noqa: E402
@@ -158,26 +158,34 @@ def summarize(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 def format_table(rows: List[Dict[str, Any]], fits: List[Dict[str, Any]]) -> str:
-    lines = ["| graph | layers | nodes | groups | rewritten | wall ms min / median | CPU ms min / median "
-             "| CPU ms per layer | Python calls per node | node sweep us per node |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        calls = f"{r['python_calls'] / r['nodes']:.1f}" if "python_calls" in r else ""
-        sweep = f"{r['sweep_us_per_node']:.2f}" if "sweep_us_per_node" in r else ""
-        lines.append(f"| {r['target']} | {r['layers']} | {r['nodes']} | {r['groups']} "
-                     f"| {'yes' if r['rewritten'] else 'no'} "
-                     f"| {min(r['wall_ms']):.0f} / {statistics.median(r['wall_ms']):.0f} "
-                     f"| {min(r['cpu_ms']):.0f} / {statistics.median(r['cpu_ms']):.0f} "
-                     f"| {min(r['cpu_ms']) / r['layers']:.2f} | {calls} | {sweep} |")
-    if fits:
-        lines += ["", "| graph | clock | fit ms = a + b * layers | R^2 | t(max) / t(min) | layers ratio |",
-                  "|---|---|---|---|---|---|"]
-        for f in fits:
-            for clock in ("wall", "cpu"):
-                c = f[clock]
-                lines.append(f"| {f['inner']} | {clock} | {c['a_ms']:.1f} + {c['b_ms_per_layer']:.2f} * L "
-                             f"| {c['r2']:.3f} | {c['ratio']:.2f} | {c['layer_ratio']:.2f} |")
-    return "\n".join(lines)
+    table = _report.markdown_table(
+        ("graph", "layers", "nodes", "groups", "rewritten", "wall ms min / median", "CPU ms min / median",
+         "CPU ms per layer", "Python calls per node", "node sweep us per node"),
+        [(r["target"], r["layers"], r["nodes"], r["groups"], "yes" if r["rewritten"] else "no",
+          f"{min(r['wall_ms']):.0f} / {statistics.median(r['wall_ms']):.0f}",
+          f"{min(r['cpu_ms']):.0f} / {statistics.median(r['cpu_ms']):.0f}",
+          f"{min(r['cpu_ms']) / r['layers']:.2f}",
+          f"{r['python_calls'] / r['nodes']:.1f}" if "python_calls" in r else "",
+          f"{r['sweep_us_per_node']:.2f}" if "sweep_us_per_node" in r else "") for r in rows])
+    if not fits:
+        return table
+    return table + "\n\n" + _report.markdown_table(
+        ("graph", "clock", "fit ms = a + b * layers", "R^2", "t(max) / t(min)", "layers ratio"),
+        [(f["inner"], clock, f"{f[clock]['a_ms']:.1f} + {f[clock]['b_ms_per_layer']:.2f} * L",
+          f"{f[clock]['r2']:.3f}", f"{f[clock]['ratio']:.2f}", f"{f[clock]['layer_ratio']:.2f}")
+         for f in fits for clock in ("wall", "cpu")])
+
+
+def format_calibration(us: float) -> str:
+    return f"calibration: 1000 dict lookups in {us:.1f} us"
+
+
+def format_saved(saved: Dict[str, Any]) -> str:
+    """A saved run (``--render``): the tables, then the machine's calibration if recorded."""
+    text = format_table(saved["rows"], saved["fits"])
+    if "calibration_us" in saved:
+        text += "\n\n" + format_calibration(saved["calibration_us"])
+    return text
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -187,18 +195,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--profile", action="store_true", help="cProfile one pass on the largest graph")
     parser.add_argument("--repo", default=_HERE, help="checkout whose compile_pass and models to time")
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument("--render", default=None, metavar="JSON",
-                        help="print an earlier run's JSON as markdown tables, run nothing")
+    _report.add_output_args(parser, render_help="print an earlier run's JSON as markdown tables, run nothing")
     args = parser.parse_args(argv)
     if args.render:
-        with open(args.render) as f:
-            saved = json.load(f)
-        print(f"<!-- python benchmarks/pass_speed.py {' '.join(saved['argv'])} (torch {saved['torch']}) -->")
-        print(format_table(saved["rows"], saved["fits"]))
-        if "calibration_us" in saved:
-            print(f"\ncalibration: 1000 dict lookups in {saved['calibration_us']:.1f} us")
-        return 0
+        return _report.render(args.render, "python benchmarks/pass_speed.py", format_saved)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     layer_counts = sorted(int(n) for n in args.layers.split(","))
@@ -232,14 +232,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     calibration = calibration_us()
     print()
     print(format_table(rows, fits))
-    print(f"\ncalibration: 1000 dict lookups in {calibration:.1f} us")
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv,
-                       "repo": os.path.abspath(args.repo), "calibration_us": calibration,
-                       "rows": rows, "fits": fits}, f, indent=1)
-        print(f"\nwrote {args.out}")
+    print(f"\n{format_calibration(calibration)}")
+    _report.write_out(args.out, {"repo": os.path.abspath(args.repo), "calibration_us": calibration,
+                                 "rows": rows, "fits": fits}, argv=argv)
     return 0
 
 

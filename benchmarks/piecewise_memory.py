@@ -22,7 +22,6 @@ off), and the ``outputs`` rows say whether the caller's pack was a view (no copy
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import _report  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
 import models  # noqa: E402
 from compile_pass import aux_capture_backend, measure_peak, pack_aux_hidden_states  # noqa: E402
 
@@ -118,15 +118,13 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
 
 
 def format_markdown(rows: List[Dict[str, Any]]) -> str:
-    lines = ["| model | config | T | inner | scenario | variant | peak MiB | overhead (x packed) "
-             "| bitwise equal | pack is a view | pieces |", "|" + "---|" * 11]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['config']} | {r['tokens']} | {r['inner']} | {r['scenario']} | "
-            f"{r['variant']} | {r['peak_bytes'] / 2**20:.1f} | {r['overhead']:.2f} | "
-            f"{'' if r['bitwise_equal'] is None else r['bitwise_equal']} | "
-            f"{r.get('pack_is_view', '')} | {r['pieces'][0] if r['pieces'] else ''} |")
-    return "\n".join(lines)
+    return _report.markdown_table(
+        ("model", "config", "T", "inner", "scenario", "variant", "peak MiB", "overhead (x packed)",
+         "bitwise equal", "pack is a view", "pieces"),
+        [(r["model"], r["config"], r["tokens"], r["inner"], r["scenario"], r["variant"],
+          f"{r['peak_bytes'] / 2**20:.1f}", f"{r['overhead']:.2f}",
+          "" if r["bitwise_equal"] is None else r["bitwise_equal"],
+          r.get("pack_is_view", ""), r["pieces"][0] if r["pieces"] else "") for r in rows])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -138,17 +136,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--scenarios", default="piecewise,outputs")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument("--render", default=None, metavar="JSON",
-                        help="print an earlier run's JSON as a markdown table, run nothing")
+    _report.add_output_args(parser)
     args = parser.parse_args(argv)
     if args.render:
-        with open(args.render) as f:
-            saved = json.load(f)
-        print(f"<!-- python benchmarks/piecewise_memory.py {' '.join(saved['argv'])} "
-              f"(torch {saved['torch']}) -->")
-        print(format_markdown(saved["rows"]))
-        return 0
+        return _report.render(args.render, "python benchmarks/piecewise_memory.py",
+                              lambda saved: format_markdown(saved["rows"]))
     rows: List[Dict[str, Any]] = []
     for model_name in args.models.split(","):
         for config in args.configs.split(","):
@@ -157,11 +149,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   getattr(torch, args.dtype), args.scenarios.split(","))
     print()
     print(format_table(rows))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"torch": torch.__version__, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
-        print(f"\nwrote {args.out}")
+    _report.write_out(args.out, {"rows": rows})
     return 0 if all(r["bitwise_equal"] in (None, True) for r in rows) else 1
 
 

@@ -28,7 +28,6 @@ runs it, without and with the pass (cost model off), estimate vs ``measure_peak`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -39,6 +38,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import _report  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
 import models  # noqa: E402
 from compile_pass.static_estimate import (  # noqa: E402
     check_against_measured, estimate_at, graph_peak_at, trace_graph,
@@ -181,15 +181,15 @@ def check_small(tokens: List[int]) -> List[Dict[str, Any]]:
 
 
 def format_check(rows: List[Dict[str, Any]], header: bool = True) -> str:
-    lines = ["| model | config | T | estimated / measured MiB, no pass | error | estimated / measured "
-             "MiB, pass | error | bitwise |", "|---|---|---|---|---|---|---|---|"] if header else []
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['config']} | {r['tokens']} "
-                     f"| {r['estimated_before'] / 2**20:.2f} / {r['measured_before'] / 2**20:.2f} "
-                     f"| {100 * r['error_before']:+.1f}% "
-                     f"| {r['estimated_after'] / 2**20:.2f} / {r['measured_after'] / 2**20:.2f} "
-                     f"| {100 * r['error_after']:+.1f}% | {'yes' if r['bitwise_equal'] else 'NO'} |")
-    return "\n".join(lines)
+    columns = ("model", "config", "T", "estimated / measured MiB, no pass", "error",
+               "estimated / measured MiB, pass", "error", "bitwise")
+    return _report.markdown_table(
+        columns if header else None,
+        [(r["model"], r["config"], r["tokens"],
+          f"{r['estimated_before'] / 2**20:.2f} / {r['measured_before'] / 2**20:.2f}",
+          f"{100 * r['error_before']:+.1f}%",
+          f"{r['estimated_after'] / 2**20:.2f} / {r['measured_after'] / 2**20:.2f}",
+          f"{100 * r['error_after']:+.1f}%", "yes" if r["bitwise_equal"] else "NO") for r in rows])
 
 
 def _gib(n: int) -> str:
@@ -212,24 +212,20 @@ def format_table(rows: List[Dict[str, Any]], header: bool = True) -> str:
 
 
 def format_markdown(rows: List[Dict[str, Any]]) -> str:
-    lines = ["| model | layers | graph | capture | K | T | peak none GiB | peak list GiB | peak pass GiB "
-             "| packed GiB | overhead list | overhead pass | at the concat / peak | rewritten |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        concat = f"{r['concat_bytes'] / r['peak_list']:.2f}" if r.get("concat_bytes") else ""
-        lines.append(f"| {r['model']} | {r['num_layers']} | {r['target']} | {r['capture']} | {r['k']} "
-                     f"| {r['tokens']} | {_gib(r['peak_none'])} | {_gib(r['peak_list'])} "
-                     f"| {_gib(r['peak_pass'])} | {_gib(r['packed_bytes'])} | {r['overhead_list']:.2f} "
-                     f"| {r['overhead_pass']:.2f} | {concat} | {'yes' if r['rewritten'] else 'no'} |")
-    return "\n".join(lines)
+    return _report.markdown_table(
+        ("model", "layers", "graph", "capture", "K", "T", "peak none GiB", "peak list GiB", "peak pass GiB",
+         "packed GiB", "overhead list", "overhead pass", "at the concat / peak", "rewritten"),
+        [(r["model"], r["num_layers"], r["target"], r["capture"], r["k"], r["tokens"], _gib(r["peak_none"]),
+          _gib(r["peak_list"]), _gib(r["peak_pass"]), _gib(r["packed_bytes"]), f"{r['overhead_list']:.2f}",
+          f"{r['overhead_pass']:.2f}",
+          f"{r['concat_bytes'] / r['peak_list']:.2f}" if r.get("concat_bytes") else "",
+          "yes" if r["rewritten"] else "no") for r in rows])
 
 
 def format_summary(rows: List[Dict[str, Any]], tokens: int) -> str:
     """One row per model and capture; raises ValueError if a ratio differs between token
     counts or graphs (then the full table is the summary)."""
-    lines = ["| model | layers | capture | K | peak without captures at T=%d, GiB | packed at %d, GiB "
-             "| overhead list | overhead + pass | at the concat / peak | pass decision |" % (tokens, tokens),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    cells = []
     keys: List[Tuple[str, str]] = []
     for r in rows:
         if (r["model"], r["capture"]) not in keys:
@@ -242,10 +238,21 @@ def format_summary(rows: List[Dict[str, Any]], tokens: int) -> str:
             raise ValueError(f"{model} {capture}: ratios differ between token counts or graphs: {ratios}")
         (overhead_list, overhead_pass, concat, rewritten), = ratios
         r = next(r for r in group if r["tokens"] == tokens)
-        lines.append(f"| {model} | {r['num_layers']} | {capture} | {r['k']} | {_gib(r['peak_none'])} "
-                     f"| {_gib(r['packed_bytes'])} | {overhead_list:.2f} | {overhead_pass:.2f} | {concat:.2f} "
-                     f"| {'rewritten' if rewritten else 'left (no drop)'} |")
-    return "\n".join(lines)
+        cells.append((model, r["num_layers"], capture, r["k"], _gib(r["peak_none"]), _gib(r["packed_bytes"]),
+                      f"{overhead_list:.2f}", f"{overhead_pass:.2f}", f"{concat:.2f}",
+                      "rewritten" if rewritten else "left (no drop)"))
+    return _report.markdown_table(
+        ("model", "layers", "capture", "K", f"peak without captures at T={tokens}, GiB",
+         f"packed at {tokens}, GiB", "overhead list", "overhead + pass", "at the concat / peak", "pass decision"),
+        cells)
+
+
+def format_saved(saved: Dict[str, Any], summary_tokens: Optional[int] = None) -> str:
+    """A saved run (``--render``): its table (the estimator check's, if it is one), or the
+    summary at ``summary_tokens`` tokens."""
+    if summary_tokens is not None:
+        return format_summary(saved["rows"], summary_tokens)
+    return (format_check if saved.get("check_small") else format_markdown)(saved["rows"])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -255,31 +262,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--captures", default="eagle3,dflash5,dflash8")
     parser.add_argument("--tokens", default="4096,8192,16384")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    parser.add_argument("--render", default=None, metavar="JSON",
-                        help="print an earlier run's JSON as a markdown table, run nothing")
+    _report.add_output_args(parser)
     parser.add_argument("--summary", type=int, default=None, metavar="T",
                         help="with --render: one row per model and capture, sizes at T tokens")
     parser.add_argument("--check-small", action="store_true",
                         help="estimate vs measured peaks of the small reference configs (--tokens)")
     args = parser.parse_args(argv)
     if args.render:
-        with open(args.render) as f:
-            saved = json.load(f)
-        print(f"<!-- python benchmarks/real_size_estimates.py {' '.join(saved['argv'])} "
-              f"(torch {saved['torch']}) -->")
-        if args.summary is not None:
-            print(format_summary(saved["rows"], args.summary))
-        else:
-            print((format_check if saved.get("check_small") else format_markdown)(saved["rows"]))
-        return 0
+        return _report.render(args.render, "python benchmarks/real_size_estimates.py",
+                              lambda saved: format_saved(saved, args.summary))
     if args.check_small:
         rows = check_small([int(t) for t in args.tokens.split(",")])
         if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump({"torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv,
-                           "check_small": True, "rows": rows}, f, indent=1)
+            _report.write_json(args.out, {"check_small": True, "rows": rows}, argv=argv)
             print(f"wrote {args.out}")
         return 0 if all(r["bitwise_equal"] for r in rows) else 1
     model_names = args.models.split(",")
@@ -293,10 +288,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                [int(t) for t in args.tokens.split(",")], getattr(torch, args.dtype))
     print(f"\n{format_table(rows)}\n\n{time.perf_counter() - start:.0f} s")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"torch": torch.__version__, "argv": sys.argv[1:] if argv is None else argv,
-                       "rows": rows}, f, indent=1)
+        _report.write_json(args.out, {"rows": rows}, argv=argv)
         print(f"wrote {args.out}")
     return 0
 
