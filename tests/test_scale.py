@@ -85,28 +85,6 @@ def test_static_estimate_rejects_bad_arguments() -> None:
         estimate_at(gm, "dynamo", 16, [32])
 
 
-def _deepseek_v3_graph(num_layers: int) -> fx.GraphModule:
-    with torch.device("meta"):
-        model = DeepseekModel(deepseek_v3_config(num_layers=num_layers), capture_mode="list",
-                              dtype=torch.bfloat16)
-    _, gm = compiled_graph(model, (torch.zeros(4096, dtype=torch.long, device="meta"),
-                                   torch.arange(4096, device="meta")))
-    return gm
-
-
-def _pass_cpu_seconds(gm: fx.GraphModule, repeats: int = 5) -> float:
-    """Minimum CPU time of the pass over fresh copies of ``gm`` (less noisy than wall time
-    on a shared machine)."""
-    times = []
-    for _ in range(repeats + 1):  # the first run warms caches up
-        copy = fx.GraphModule(gm, copy_graph(gm.graph)[0])
-        start = time.process_time()
-        result = run_capture_pass(copy, "dynamo")
-        times.append(time.process_time() - start)
-        assert result.error is None, result.error
-    return min(times[1:])
-
-
 def test_pricing_a_group_does_not_sweep_the_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pass sweeps a graph's timeline once per liveness model, not once per group: the
     DeepSeek graph has a group per layer (MLA's k join) besides the captures, and pricing
