@@ -41,17 +41,11 @@ from compile_pass.backend import INNERS, MODES, aux_capture, backend_from_option
 WRITE_OP = "torch.ops.compile_pass.write_slice_.default("
 
 
+#: every test starts from a clean Dynamo cache and clean counters, without autograd
+pytestmark = pytest.mark.usefixtures("_fresh_dynamo")  # tests/conftest.py
+
+
 # --------------------------------------------------------------------------- helpers
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Every test starts from a clean Dynamo cache and clean counters, without autograd."""
-    torch._dynamo.reset()
-    counters.clear()
-    with torch.no_grad():
-        yield
-    torch._dynamo.reset()
 
 
 def _tiny(tokens: int = 32, **overrides):

@@ -40,14 +40,7 @@ from compile_pass.reinplace import reinplace_slice_writes, write_from_twins  # n
 
 SPLIT = ["models::attention"]
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    with torch.no_grad():
-        yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("_fresh_dynamo")  # tests/conftest.py
 
 
 def _dflash(mode: str, tokens: int = 64):
