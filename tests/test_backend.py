@@ -59,6 +59,13 @@ def _assert_bitwise(out, ref) -> None:
         assert torch.equal(a, b), f"output {i} differs (max abs diff {(a - b).abs().max().item()})"
 
 
+def _assert_compiles_bitwise(model, inputs, backend, **compile_options) -> None:
+    """``torch.compile(model, backend=backend, **compile_options)`` returns what the
+    uncompiled model returns, bitwise."""
+    ref = model(*inputs)
+    _assert_bitwise(torch.compile(model, backend=backend, **compile_options)(*inputs), ref)
+
+
 def _aux_group(result: PassResult, k: int):
     """The capture group of the model's K-way aux concat (RoPE's concats have k == 2)."""
     groups = [g for g in result.groups if g.k == k]
@@ -102,10 +109,9 @@ def test_by_name_bitwise_equal_to_eager(inner):
 
 def test_callable_backend_bitwise_equal_to_eager():
     model, inputs = _tiny()
-    ref = model(*inputs)
     backend = compile_pass.aux_capture_backend(inner="eager")
     assert isinstance(backend, AuxCaptureBackend)
-    _assert_bitwise(torch.compile(model, backend=backend, fullgraph=True)(*inputs), ref)
+    _assert_compiles_bitwise(model, inputs, backend, fullgraph=True)
     assert len(backend.results) == 1 and backend.results[0].target == "dynamo"
 
 
@@ -115,9 +121,8 @@ def test_callable_backend_bitwise_equal_to_eager():
 def test_forced_rewrite_on_dynamo_graph_eager_inner():
     model, inputs = _tiny()
     k = model.num_captures
-    ref = model(*inputs)
     backend = AuxCaptureBackend(inner="eager", cost_model=False)
-    _assert_bitwise(torch.compile(model, backend=backend, fullgraph=True)(*inputs), ref)
+    _assert_compiles_bitwise(model, inputs, backend, fullgraph=True)
 
     assert len(backend.results) == 1
     result = backend.results[0]
@@ -146,9 +151,8 @@ def test_forced_rewrite_on_dynamo_graph_eager_inner():
 def test_forced_rewrite_on_aot_graph_aot_eager_inner():
     model, inputs = _tiny()
     k = model.num_captures
-    ref = model(*inputs)
     backend = AuxCaptureBackend(inner="aot_eager", cost_model=False)
-    _assert_bitwise(torch.compile(model, backend=backend, fullgraph=True)(*inputs), ref)
+    _assert_compiles_bitwise(model, inputs, backend, fullgraph=True)
 
     assert len(backend.results) == 1
     result = backend.results[0]
@@ -163,9 +167,8 @@ def test_forced_rewrite_on_aot_graph_aot_eager_inner():
 
 def test_cost_model_keeps_tiny_graph_unchanged():
     model, inputs = _tiny()
-    ref = model(*inputs)
     backend = AuxCaptureBackend(inner="eager")
-    _assert_bitwise(torch.compile(model, backend=backend)(*inputs), ref)
+    _assert_compiles_bitwise(model, inputs, backend)
     result = backend.results[0]
     group = _aux_group(result, model.num_captures)
     assert group.decision is Decision.REJECT
@@ -178,9 +181,8 @@ def test_cost_model_rewrites_capture_dominated_dflash():
     model, inputs = models.dflash.capture_dominated(capture_mode="list", tokens=1024)
     k = model.num_captures
     assert k == 8
-    ref = model(*inputs)
     backend = AuxCaptureBackend(inner="eager")  # cost model on
-    _assert_bitwise(torch.compile(model, backend=backend)(*inputs), ref)
+    _assert_compiles_bitwise(model, inputs, backend)
     group = _aux_group(backend.results[0], k)
     assert group.decision is Decision.REWRITE, group.reason
     assert group.estimated_peak_after < group.estimated_peak_before
@@ -195,9 +197,8 @@ def test_cost_model_rewrites_capture_dominated_dflash():
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
 def test_rewrite_false_records_nothing(inner):
     model, inputs = _tiny()
-    ref = model(*inputs)
     backend = AuxCaptureBackend(inner=inner, rewrite=False, cost_model=False)
-    _assert_bitwise(torch.compile(model, backend=backend)(*inputs), ref)
+    _assert_compiles_bitwise(model, inputs, backend)
     assert backend.results == []
     assert sum(counters["aux_capture"].values()) == 0
 
@@ -540,9 +541,8 @@ def test_pass_error_is_contained(stage, monkeypatch, caplog):
     monkeypatch.setattr(capture_pass, stage, boom)
     caplog.set_level(logging.WARNING, logger="compile_pass")
     model, inputs = _tiny()
-    ref = model(*inputs)
     backend = AuxCaptureBackend(inner="eager", cost_model=False)
-    _assert_bitwise(torch.compile(model, backend=backend)(*inputs), ref)
+    _assert_compiles_bitwise(model, inputs, backend)
 
     assert counters["aux_capture"]["pass_errors"] == 1
     (result,) = backend.results
@@ -560,9 +560,8 @@ def test_pass_error_under_aot_eager(monkeypatch):
     monkeypatch.setattr(capture_pass, "rewrite_group",
                         lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
     model, inputs = _tiny()
-    ref = model(*inputs)
     backend = AuxCaptureBackend(inner="aot_eager", cost_model=False)
-    _assert_bitwise(torch.compile(model, backend=backend)(*inputs), ref)
+    _assert_compiles_bitwise(model, inputs, backend)
     assert counters["aux_capture"]["pass_errors"] == 1
     assert "injected" in backend.results[0].error
 
@@ -579,7 +578,6 @@ def test_inner_compiler_errors_are_not_hidden():
 
 def test_callable_inner_receives_rewritten_graph():
     model, inputs = _tiny()
-    ref = model(*inputs)
     seen = []
 
     def inner(gm, example_inputs):
@@ -587,7 +585,7 @@ def test_callable_inner_receives_rewritten_graph():
         return gm.forward
 
     backend = aux_capture_backend(inner=inner, cost_model=False)
-    _assert_bitwise(torch.compile(model, backend=backend)(*inputs), ref)
+    _assert_compiles_bitwise(model, inputs, backend)
     (result,) = backend.results
     assert result.target == "dynamo_functional"
     assert seen == [result.code_after]
