@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
-from compile_pass.cost import planned_peak
+from compile_pass.cost import changed_span, planned_peak
 from compile_pass.dataflow import NodeTable, is_cat
 from compile_pass.find import classify_producer, find_capture_groups, find_output_groups
 from compile_pass.groups import CaptureGroup, Decision, GroupKind, Producer, summarize
@@ -190,7 +190,15 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
         after = max(trial_live)
     elif target.hoist:
         # hoisting moves producers and shortens their inputs' lives: price the rewritten
-        # copy itself rather than the original graph's intervals
+        # copy itself rather than the original graph's intervals, unless the peak is
+        # reached where the rewrite changes nothing (then it cannot drop: no copy needed)
+        span = changed_span(state.liveness, group) if cost_model else None
+        if span is not None and state.liveness.max_outside(*span) >= before:
+            group.estimated_peak_before, group.estimated_peak_after = before, before
+            group.reject(f"estimated peak would not drop ({_mib(before)} -> at least "
+                         f"{_mib(before)}): it is reached outside {_span_names(state.liveness, span)}, "
+                         f"where the rewrite changes nothing")
+            return False
         trial = _trial_rewrite(state.gm.graph, group)
         if trial is None:
             return False
@@ -217,6 +225,11 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
     if after >= before:
         group.reason += "; rewritten because the cost model is off"
     return True
+
+
+def _span_names(model: LivenessModel, span: Tuple[int, int]) -> str:
+    first, last = model.nodes[span[0] // 2], model.nodes[span[1] // 2]
+    return f"{first.name} .. {last.name}"
 
 
 def _trial_rewrite(graph: fx.Graph, group: CaptureGroup) -> Optional[fx.Graph]:

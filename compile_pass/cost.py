@@ -18,12 +18,12 @@ copy of the graph instead (``capture_pass._decide``).
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, Optional
+from typing import Dict, Hashable, Optional, Tuple
 
 from compile_pass.groups import Capture, CaptureGroup, Strategy
 from compile_pass.liveness import Interval, LivenessModel
 
-__all__ = ["write_time", "planned_changes", "planned_peak"]
+__all__ = ["write_time", "planned_changes", "planned_peak", "changed_span"]
 
 
 def write_time(model: LivenessModel, capture: Capture) -> Optional[int]:
@@ -65,3 +65,26 @@ def planned_changes(model: LivenessModel, group: CaptureGroup) -> Dict[Hashable,
 def planned_peak(model: LivenessModel, group: CaptureGroup) -> int:
     """Estimated peak bytes of the graph after the planned rewrite of ``group``."""
     return model.peak(planned_changes(model, group))
+
+
+def changed_span(model: LivenessModel, group: CaptureGroup) -> Optional[Tuple[int, int]]:
+    """Times ``(first, last)`` of ``model``'s graph outside which the planned rewrite of
+    ``group`` leaves the live bytes exactly as they are, hoisting included; None if no
+    such bound holds.
+
+    Before the earliest write, hoist point or producer (a producer a compiler computes
+    into the concat's storage allocates that storage there) nothing has changed yet.
+    After the concat every storage is live exactly when it was: the buffer takes the
+    concat result's place and lifetime, a copied capture still lives to its last other
+    reader, a hoisted producer's inputs were read before the concat anyway. The exception
+    is a capture computed into its slice that is read after the concat (it stays a slice
+    of the buffer): then None. ``tests/test_capture_pass.py`` checks the bound against
+    rewritten graphs.
+    """
+    starts = [t for t in (write_time(model, c) for c in group.captures) if t is not None]
+    starts += [2 * model.position[c.hoist_after] + 1 for c in group.captures if c.hoist_after is not None]
+    starts += [2 * model.position[c.node] for c in group.captures
+               if c.node.op not in ("placeholder", "get_attr")]
+    if not starts or any(c.strategy is Strategy.COMPUTE_INTO for c in group.captures):
+        return None
+    return min(starts), 2 * model.position[group.cat]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional
+from typing import Any, Dict, Hashable, Iterable, List, Mapping, NamedTuple, Optional
 
 import torch
 import torch.fx as fx
@@ -51,9 +51,9 @@ class MemoryTimeline:
         }
 
 
-@dataclass(frozen=True)
-class Interval:
-    """A storage of ``size`` bytes live from time ``born`` to time ``last`` (inclusive)."""
+class Interval(NamedTuple):
+    """A storage of ``size`` bytes live from time ``born`` to time ``last`` (inclusive).
+    (A named tuple: a graph has thousands, built in one sweep.)"""
 
     size: int
     born: int
@@ -191,6 +191,14 @@ class LivenessModel:
             best = max(best, max(self._base[lo:first * _BLOCK]))
         if last * _BLOCK < hi:
             best = max(best, max(self._base[last * _BLOCK:hi]))
+        return best
+
+    def max_outside(self, first: int, last: int) -> int:
+        """Maximum live bytes of the unchanged timeline at the times outside ``first ..
+        last`` (inclusive); 0 if there are none."""
+        best = self._range_max(0, first) if first > 0 else 0
+        if last + 1 <= self.end:
+            best = max(best, self._range_max(last + 1, self.end + 1))
         return best
 
     def peak(self, changes: Optional[Mapping[Hashable, Optional[Interval]]] = None) -> int:

@@ -406,3 +406,70 @@ def test_provenance_is_read_from_the_graph_as_found():
     assert group.decision is Decision.REWRITE, group.reason
     assert [c.location for c in group.captures] == expected
     assert all("aux.append" in c.source for c in group.captures)
+
+
+# -- pricing under hoisting: a peak reached where the rewrite changes nothing cannot drop ----
+
+
+def _post_grad_cases():
+    model, inputs = models.deepseek.tiny(capture_mode="list", tokens=16)
+    yield "deepseek", aot_graph(model, *inputs)
+    model, inputs = models.dflash.capture_dominated(capture_mode="list", tokens=64)
+    yield "dflash", aot_graph(model, *inputs)
+
+
+@pytest.fixture(scope="module")
+def post_grad_graphs():
+    return dict(_post_grad_cases())
+
+
+@pytest.mark.parametrize("name", ["deepseek", "dflash"])
+@pytest.mark.parametrize("target", ["aot", "post_grad"])  # post_grad: Inductor's cost model
+def test_changed_span_bounds_what_the_rewrite_changes(post_grad_graphs, name, target):
+    """Outside ``changed_span`` the rewritten copy's live bytes equal the original's, node
+    for node, for every group the hoisting planner plans on these graphs."""
+    from compile_pass.capture_pass import _liveness, _trial_rewrite
+    from compile_pass.cost import changed_span
+
+    gm = post_grad_graphs[name]
+    checked = 0
+    for group in find_capture_groups(gm):
+        plan_group(group, GraphFacts(gm.graph), runs_as_is=False, hoist=True)
+        if group.decision is not Decision.FOUND:
+            continue
+        model = _liveness(gm.graph, TARGETS[target])
+        first, last = changed_span(model, group)
+        trial = _trial_rewrite(gm.graph, group)
+        assert trial is not None, group.reason
+        before, after = model.timeline(), _liveness(trial, TARGETS[target]).timeline()
+        live_after = dict(zip(after.node_names, after.live_bytes))
+        compared = 0
+        for i, (node, live) in enumerate(zip(before.node_names, before.live_bytes)):
+            if (2 * i < first or 2 * i > last) and node in live_after:
+                assert live_after[node] == live, (group.key, node)
+                compared += 1
+        assert compared > 0
+        checked += 1
+    assert checked >= (2 if name == "deepseek" else 1)
+
+
+@pytest.mark.parametrize("name", ["deepseek", "dflash"])
+def test_skipping_trials_outside_the_span_keeps_every_decision(post_grad_graphs, name, monkeypatch):
+    """The shortcut decides exactly as pricing every group on a rewritten copy does."""
+    import compile_pass.capture_pass as capture_pass_module
+
+    def decisions():
+        result = run_capture_pass(fx.GraphModule(post_grad_graphs[name], copy_graph(post_grad_graphs[name].graph)[0]),
+                                  "post_grad")
+        assert result.error is None, result.error
+        return {g.key: g.decision for g in result.groups}, result
+
+    fast, fast_result = decisions()
+    monkeypatch.setattr(capture_pass_module, "changed_span", lambda model, group: None)
+    slow, _ = decisions()
+    assert fast == slow
+    shortcut = [g for g in fast_result.groups if "where the rewrite changes nothing" in g.reason]
+    if name == "deepseek":  # MLA's k joins, one per layer, each far from the peak
+        assert shortcut
+    else:  # the capture group's span holds the peak: priced on its copy
+        assert not shortcut
