@@ -282,9 +282,9 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
     result = PassResult(target.name, [], code_before, None,
                         _unchanged_graph=gm.graph if target.runs_as_is else None)
     try:
-        if estimate:
-            result.timeline_before = _liveness(gm.graph, target).timeline()
         table = NodeTable(gm.graph)
+        if estimate:
+            result.timeline_before = _liveness(gm.graph, target, table=table).timeline()
         groups = _find_groups(gm, table, concat, pack_outputs)
         state: Optional[_GraphState] = None
         graph_changed = False
