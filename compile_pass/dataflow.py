@@ -35,6 +35,7 @@ __all__ = [
     "is_cat",
     "module_location",
     "NodeTable",
+    "holders_of",
 ]
 
 _INPLACE_OPERATORS = {
@@ -291,9 +292,15 @@ class NodeTable:
         """Storage -> the nodes whose values (any output of a multi-output op) live in it,
         in graph order: a value and all its aliases. The output node holds nothing (it
         returns what others hold)."""
-        holders: Dict[Hashable, List[fx.Node]] = {}
-        for node, keys in self.storages.items():
-            if node.op != "output":
-                for key in keys:
-                    holders.setdefault(key, []).append(node)
-        return holders
+        return holders_of(self.storages)
+
+
+def holders_of(storages: Mapping[fx.Node, Iterable[Hashable]]) -> Dict[Hashable, List[fx.Node]]:
+    """Storage -> the nodes holding it, in the mapping's (graph) order, from each node's
+    storages; the output node holds nothing."""
+    holders: Dict[Hashable, List[fx.Node]] = {}
+    for node, keys in storages.items():
+        if node.op != "output":
+            for key in keys:
+                holders.setdefault(key, []).append(node)
+    return holders

@@ -25,7 +25,7 @@ from typing import Any, Dict, Hashable, Iterable, List, Mapping, NamedTuple, Opt
 import torch
 import torch.fx as fx
 
-from compile_pass.dataflow import NodeTable, hint, nbytes
+from compile_pass.dataflow import NodeTable, hint, holders_of, nbytes
 
 __all__ = ["Interval", "LivenessModel", "MemoryTimeline", "estimate_memory"]
 
@@ -123,10 +123,7 @@ class LivenessModel:
         if not self._computed_into:
             return self._table.holders
         if self._nodes_of is None:
-            self._nodes_of = {}
-            for node in self.nodes:
-                for key in self.keys_of[node]:
-                    self._nodes_of.setdefault(key, []).append(node)
+            self._nodes_of = holders_of(self.keys_of)
         return self._nodes_of
 
     def _sweep_timeline(self) -> None:
