@@ -230,7 +230,8 @@ def _layer_depths(table: NodeTable) -> Dict[fx.Node, int]:
 
     An in-place write is a dependency too: a value read after a node mutated its storage
     (a residual updated by a fused add-RMSNorm) depends on that node. One pass over the
-    graph's table; only nodes whose op may be a boundary are classified.
+    graph's table; a node is a boundary when its op is (``_may_be_boundary``, cached per
+    target) and its value is not a view of one of its inputs.
     """
     depth: Dict[fx.Node, int] = {}
     # storage -> depth of its latest in-place writer (0: none; None, no storage, stays 0)
