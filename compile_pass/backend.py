@@ -25,7 +25,7 @@ boxed (``piecewise.PieceRunner``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -38,6 +38,8 @@ from compile_pass.split import SplitGraph, check_split_ops, split_graph
 
 if TYPE_CHECKING:
     from compile_pass.inductor_pass import AuxCapturePass
+    from compile_pass.lift import LiftedBuffers
+    from compile_pass.twins import TwinMerge
 
 __all__ = ["AuxCaptureBackend", "aux_capture", "aux_capture_backend", "INNERS", "MODES"]
 
@@ -73,6 +75,8 @@ class AuxCaptureBackend:
     results: List[PassResult] = field(default_factory=list)
     #: one entry per split graph compiled: (compute pieces, split-op calls)
     splits: List[SplitGraph] = field(default_factory=list)
+    #: captures merged with their twins by Inductor's pre pass (``CaptureTwinsPass``)
+    twin_merges: List["TwinMerge"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, str) and self.inner not in INNERS:
@@ -124,12 +128,14 @@ class AuxCaptureBackend:
         subclasses that keep more about the rewritten ``graph``."""
 
     def _rewrite(self, gm: fx.GraphModule, target: str, concat: bool = True,
-                 pack_outputs: bool = False) -> None:
-        if self.rewrite:
-            result = run_capture_pass(gm, target, estimate=self._estimate, cost_model=self.cost_model,
-                                      concat=concat, pack_outputs=pack_outputs)
-            self.results.append(result)
-            self._on_result(result, gm.graph)
+                 pack_outputs: bool = False) -> Optional[PassResult]:
+        if not self.rewrite:
+            return None
+        result = run_capture_pass(gm, target, estimate=self._estimate, cost_model=self.cost_model,
+                                  concat=concat, pack_outputs=pack_outputs)
+        self.results.append(result)
+        self._on_result(result, gm.graph)
+        return result
 
     def _capture_pass(self) -> "AuxCapturePass":
         """The post-grad pass the inductor inner runs, filling ``results`` as ``_rewrite`` does."""
@@ -147,12 +153,47 @@ class AuxCaptureBackend:
         if not isinstance(self.inner, str):
             self._rewrite(gm, "dynamo_functional", pack_outputs=self.pack_outputs)
             return self.inner(gm, example_inputs)
+        if self.inner == "inductor" and not self._inductor_cudagraphs():
+            return self._compile_inductor_lifted(gm, example_inputs)
         if self.pack_outputs:
             # returned captures become slices of one buffer before AOTAutograd (it would
             # keep training graphs' saved tensors among the outputs); concats are rewritten
             # later, where the inner's own graph is final
             self._rewrite(gm, "dynamo_functional", concat=False, pack_outputs=True)
         return self._compile_piece(gm, example_inputs, rewrite_inside=True)
+
+    def _inductor_patches(self) -> Dict[str, Any]:
+        """Inductor config for this compile: the mode's options, then the user's."""
+        from torch._inductor import list_mode_options
+
+        patches = dict(list_mode_options(self.mode)) if self.mode not in (None, "default") else {}
+        patches.update(self.inductor_options)
+        return patches
+
+    def _inductor_cudagraphs(self) -> bool:
+        import torch._inductor.config as inductor_config
+
+        return bool(self._inductor_patches().get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+
+    def _compile_inductor_lifted(self, gm: fx.GraphModule, example_inputs: List[Any]) -> CompiledFn:
+        """The inductor inner: the Dynamo graph rewritten with its packed buffers lifted to
+        inputs this callable allocates (``lift.py``), then compiled by Inductor with
+        ``CaptureTwinsPass`` first. Captures that require grad cannot be written before
+        AOTAutograd: their groups are left for ``AuxCapturePass`` after it."""
+        from compile_pass.lift import WithLiftedBuffers
+
+        result = self._rewrite(gm, "dynamo_lifted", pack_outputs=self.pack_outputs)
+        after_aot = result is not None and any(
+            g.packed_value is not None and g.packed_value.requires_grad for g in result.groups)
+        if result is None:
+            return self._compile_inductor(gm, example_inputs, rewrite_inside=False)
+        gm, lifted = _lift(gm, result)
+        inputs = list(example_inputs)
+        if lifted is not None:
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            inputs += [n.meta["example_value"] for n in placeholders[lifted.num_inputs:]]
+        compiled = self._compile_inductor(gm, inputs, rewrite_inside=after_aot)
+        return WithLiftedBuffers(compiled, lifted) if lifted is not None else compiled
 
     def _compile_piece(self, gm: fx.GraphModule, example_inputs: List[Any],
                        rewrite_inside: bool) -> CompiledFn:
@@ -190,28 +231,33 @@ class AuxCaptureBackend:
         Under Inductor the piece is compiled to take its inputs boxed (``BoxedCall``), so
         it frees each input after its last use instead of when the piece returns."""
         if self.inner == "inductor":
-            return self._compile_inductor(piece, example_inputs, rewrite_inside=False, boxed=True)
+            return self._compile_inductor(piece, example_inputs, rewrite_inside=False, boxed=True,
+                                          piece=True)
         return self._compile_piece(piece, example_inputs, rewrite_inside=False)
 
     def _compile_inductor(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor],
-                          rewrite_inside: bool = True, boxed: bool = False) -> Any:
-        """``gm`` compiled by Inductor. ``rewrite_inside``: the pass runs on Inductor's
-        post-grad graph; otherwise writes put in before (a piece of a split graph) get
+                          rewrite_inside: bool = True, boxed: bool = False,
+                          piece: bool = False) -> Any:
+        """``gm`` compiled by Inductor, captures merged with their twins first
+        (``CaptureTwinsPass``). ``rewrite_inside``: the pass runs on Inductor's post-grad
+        graph; ``piece``: writes put in on the Dynamo graph of a split graph get
         ``PieceWritesPass``. ``boxed``: return a ``BoxedCall`` (see ``piecewise``)."""
         import torch._inductor.config as inductor_config
-        from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
-        from compile_pass.inductor_pass import PieceWritesPass, chain_post_grad_passes
+        from compile_pass.inductor_pass import CaptureTwinsPass, PieceWritesPass, chain_post_grad_passes
         from compile_pass.piecewise import BoxedCall
 
-        patches = dict(list_mode_options(self.mode)) if self.mode not in (None, "default") else {}
-        patches.update(self.inductor_options)
+        patches = self._inductor_patches()
         if self.rewrite:
-            existing = patches.get("post_grad_custom_post_pass",
-                                   inductor_config.post_grad_custom_post_pass)
-            added = self._capture_pass() if rewrite_inside else PieceWritesPass()
-            patches["post_grad_custom_post_pass"] = chain_post_grad_passes(existing, added)
+            existing = patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass)
+            patches["post_grad_custom_pre_pass"] = chain_post_grad_passes(
+                existing, CaptureTwinsPass(self.twin_merges))
+            added = self._capture_pass() if rewrite_inside else PieceWritesPass() if piece else None
+            if added is not None:
+                existing = patches.get("post_grad_custom_post_pass",
+                                       inductor_config.post_grad_custom_post_pass)
+                patches["post_grad_custom_post_pass"] = chain_post_grad_passes(existing, added)
         if not boxed:
             return compile_fx(gm, example_inputs, config_patches=patches)
         from torch._dynamo.utils import GmWrapper
@@ -244,6 +290,29 @@ class AuxCaptureBackend:
             partition_fn=min_cut_rematerialization_partition,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
+
+
+def _lift(gm: fx.GraphModule, result: PassResult) -> Tuple[fx.GraphModule, Optional["LiftedBuffers"]]:
+    """``gm``'s packed buffers lifted to inputs (a new module), recorded in ``result``;
+    ``gm`` itself if there are none or they cannot be lifted (then said in ``result``)."""
+    import logging
+
+    from compile_pass.lift import LiftError, lift_packed_buffers
+
+    log = logging.getLogger("compile_pass")
+    try:
+        lifted_gm, lifted = lift_packed_buffers(gm)
+    except LiftError as e:
+        result.lift_note = f"packed buffers stay in the graph: {e}"
+        log.info("aux_capture[%s] %s", result.target, result.lift_note)
+        return gm, None
+    if lifted is not None:
+        result.lifted = lifted
+        counters["aux_capture"]["buffers_lifted"] += len(lifted)
+        for spec in lifted.buffers:
+            log.info("aux_capture[%s] lifted %s: allocated by the caller of the compiled graph",
+                     result.target, spec.describe())
+    return lifted_gm, lifted
 
 
 def _inputs_as_given(args: List[Any]) -> List[Any]:

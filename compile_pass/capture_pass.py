@@ -19,10 +19,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
-from compile_pass.cost import changed_span, planned_peak
-from compile_pass.dataflow import NodeTable, is_cat
-from compile_pass.find import classify_producer, find_capture_groups, find_output_groups
-from compile_pass.groups import CaptureGroup, Decision, GroupKind, Producer, summarize
+from compile_pass.cost import changed_span, inductor_computes_into, inductor_shared_storages, planned_peak
+from compile_pass.dataflow import NodeTable, copy_graph
+from compile_pass.find import find_capture_groups, find_output_groups
+from compile_pass.groups import CaptureGroup, Decision, GroupKind, summarize
+from compile_pass.lift import LiftedBuffers
 from compile_pass.liveness import LivenessModel, MemoryTimeline
 from compile_pass.plan import GraphFacts, plan_group
 from compile_pass.rewrite import RewriteError, rewrite_group
@@ -31,11 +32,6 @@ __all__ = ["Target", "PassResult", "run_capture_pass", "rewrite_graph", "TARGETS
 
 log = logging.getLogger("compile_pass")
 
-#: Producers Inductor's concat lowering computes straight into the concat's output.
-_INDUCTOR_COMPUTES_INTO_CAT = {Producer.POINTWISE, Producer.EXACT_ARITHMETIC, Producer.CLONE,
-                               Producer.MATMUL}
-
-
 @dataclass(frozen=True)
 class Target:
     """Where the rewritten graph goes, which decides how writes may be expressed.
@@ -43,6 +39,10 @@ class Target:
     ``runs_as_is``: the graph is executed node by node afterwards (no functionalization),
     so ``out=`` recomputation into a slice is safe. ``inductor_cost``: estimate peaks the
     way Inductor runs a concat (pointwise and mm producers computed into its output).
+    ``lift``: the backend then makes packed buffers graph inputs that the compiled
+    callable's caller allocates (``lift.py``), so the estimate allocates them before the
+    graph runs; the graph goes to Inductor, which merges capture twins first
+    (``twins.py``), so the estimates merge them too.
     """
 
     name: str
@@ -50,6 +50,7 @@ class Target:
     inductor_cost: bool
     autograd_free: bool = False  # the graph runs with autograd already handled (AOT, post-grad)
     hoist: bool = False  # functional graph a scheduler reordered: move producers up (plan.py)
+    lift: bool = False
 
 
 TARGETS: Dict[str, Target] = {
@@ -61,6 +62,8 @@ TARGETS: Dict[str, Target] = {
     # Inductor's post-grad graph (AuxCapturePass): functional, lowered by Inductor next
     "post_grad": Target("post_grad", runs_as_is=False, inductor_cost=True, autograd_free=True,
                         hoist=True),
+    # the inductor inner: the Dynamo graph, buffers lifted to inputs, then AOT and Inductor
+    "dynamo_lifted": Target("dynamo_lifted", runs_as_is=False, inductor_cost=True, lift=True),
 }
 
 
@@ -83,6 +86,9 @@ class PassResult:
     seconds: float = 0.0
     error: Optional[str] = None
     counts: Dict[str, int] = field(default_factory=dict)
+    #: packed buffers the backend made graph inputs (``Target.lift``): the caller allocates them
+    lifted: Optional[LiftedBuffers] = None
+    lift_note: str = ""  # why packed buffers stayed in the graph, if they did
     _unchanged_graph: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
 
     @property
@@ -109,42 +115,13 @@ class PassResult:
         return any(g.decision is Decision.REWRITE for g in self.groups)
 
 
-def _inductor_computes_into(producer: fx.Node, cat: fx.Node) -> bool:
-    """Inductor computes ``producer`` straight into ``cat``'s output: a pointwise or mm
-    producer whose only reader is the concat (another reader fixes its layout first, and
-    the concat then copies it)."""
-    return set(producer.users) == {cat} and classify_producer(producer) in _INDUCTOR_COMPUTES_INTO_CAT
-
-
-def _inductor_computed_into(graph: fx.Graph) -> Dict[fx.Node, fx.Node]:
-    """Every concat input of ``graph`` Inductor computes into its concat's output."""
-    fused: Dict[fx.Node, fx.Node] = {}
-    for node in graph.nodes:
-        if is_cat(node) and node.args and isinstance(node.args[0], (list, tuple)):
-            for arg in node.args[0]:
-                if isinstance(arg, fx.Node) and arg not in fused and _inductor_computes_into(arg, node):
-                    fused[arg] = node
-    return fused
-
-
 def _liveness(graph: fx.Graph, target: Target, except_cat: Optional[fx.Node] = None,
               table: Optional[NodeTable] = None) -> LivenessModel:
     if not target.inductor_cost:
         return LivenessModel(graph, table=table)
-    fused = {n: cat for n, cat in _inductor_computed_into(graph).items() if cat is not except_cat}
-    return LivenessModel(graph, fused, table=table)
-
-
-def copy_graph(graph: fx.Graph) -> Tuple[fx.Graph, Dict[fx.Node, fx.Node]]:
-    """A node-for-node copy of ``graph`` (metadata dicts copied, fake values shared)."""
-    new = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
-    new._codegen = graph._codegen
-    node_map: Dict[fx.Node, fx.Node] = {}
-    value, old_out = new.graph_copy(graph, node_map, return_output_node=True)
-    out_node = new.output(value, type_expr=old_out.type)
-    out_node.meta = dict(old_out.meta)
-    node_map[old_out] = out_node
-    return new, node_map
+    table = NodeTable.of(graph, table)
+    shared = inductor_shared_storages(graph, table, merge_twins=target.lift, except_cat=except_cat)
+    return LivenessModel(graph, shared, table=table)
 
 
 def _mib(n: Optional[int]) -> str:
@@ -182,12 +159,12 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
     if group.kind is GroupKind.OUTPUTS:
         # the saving is the caller's pack: its concat (all returned values live, plus the
         # packed copy) becomes a view of the buffer the rewritten graph returns
-        trial = _trial_rewrite(state.gm.graph, group)
+        trial, buffer = _trial_rewrite(state.gm.graph, group)
         if trial is None:
             return False
         before = max(before, state.liveness.live_bytes()[-1] + group.packed_bytes)
-        trial_live = _liveness(trial, target).live_bytes()
-        after = max(trial_live)
+        trial_model = _liveness(trial, target)
+        after = _lifted_peak(trial_model, buffer) if target.lift else trial_model.peak()
     elif target.hoist:
         # hoisting moves producers and shortens their inputs' lives: price the rewritten
         # copy itself rather than the original graph's intervals, unless the peak is
@@ -199,7 +176,7 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
                          f"{_mib(before)}): it is reached outside {_span_names(state.liveness, span)}, "
                          f"where the rewrite changes nothing")
             return False
-        trial = _trial_rewrite(state.gm.graph, group)
+        trial, _ = _trial_rewrite(state.gm.graph, group)
         if trial is None:
             return False
         after = _liveness(trial, target).peak()
@@ -208,22 +185,29 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
         # into its concat, so they are priced on a model without that fusion
         after_model = _liveness(state.gm.graph, target, except_cat=group.cat, table=state.table) \
             if target.inductor_cost else state.liveness
-        after = planned_peak(after_model, group)
+        after = planned_peak(after_model, group, buffer_born=0 if target.lift else None)
     group.estimated_peak_before, group.estimated_peak_after = before, after
-    if after >= before and cost_model:
-        fused = [c for c in group.captures if _inductor_computes_into(c.node, group.cat)]
+    # a lifted buffer is outside Inductor's plan, which then plans the rest as it does the
+    # build without captures; the list path's concat buffer inside the graph changes that
+    # plan (measured worse at equal estimates): a tie goes to the rewrite
+    worse = after > before if target.lift else after >= before
+    if worse and cost_model:
+        fused = [c for c in group.captures if inductor_computes_into(c.node, state.table)]
         why = f"estimated peak would not drop ({_mib(before)} -> {_mib(after)})"
         if target.inductor_cost and fused:
             why += (f"; Inductor already computes {len(fused)} of {group.k} captures straight "
                     f"into the concat output")
         group.reject(why)
         return False
-    if trial is None and _trial_rewrite(state.gm.graph, group) is None:
+    if trial is None and _trial_rewrite(state.gm.graph, group)[0] is None:
         return False
     group.decision = Decision.REWRITE
     group.reason = f"estimated peak {_mib(before)} -> {_mib(after)} ({(after - before) / before:+.0%})"
-    if after >= before:
+    if worse:
         group.reason += "; rewritten because the cost model is off"
+    elif after == before:
+        group.reason += ("; rewritten at a tie: the buffer is allocated by the caller, outside "
+                         "Inductor's memory plan")
     return True
 
 
@@ -232,16 +216,24 @@ def _span_names(model: LivenessModel, span: Tuple[int, int]) -> str:
     return f"{first.name} .. {last.name}"
 
 
-def _trial_rewrite(graph: fx.Graph, group: CaptureGroup) -> Optional[fx.Graph]:
-    """The planned rewrite applied to a copy of ``graph``; None (group rejected) if it fails."""
+def _trial_rewrite(graph: fx.Graph, group: CaptureGroup) -> Tuple[Optional[fx.Graph], Optional[fx.Node]]:
+    """The planned rewrite applied to a copy of ``graph`` and the copy's buffer node;
+    (None, None) (group rejected) if it fails."""
     trial, node_map = copy_graph(graph)
     try:
-        rewrite_group(trial, group.replace_nodes(node_map))
+        buffer = rewrite_group(trial, group.replace_nodes(node_map))
         trial.lint()
     except RewriteError as e:  # a plan this graph cannot express: this group only
         group.reject(str(e))
-        return None
-    return trial  # any other exception is a pass error (run_capture_pass counts and logs it)
+        return None, None
+    return trial, buffer  # any other exception is a pass error (run_capture_pass logs it)
+
+
+def _lifted_peak(model: LivenessModel, buffer: fx.Node) -> int:
+    """Peak of a rewritten graph whose ``buffer`` is allocated before the graph runs."""
+    key = model.keys_of[buffer][0]
+    interval = model.intervals[key]
+    return model.peak({key: interval._replace(born=0)})
 
 
 def _record(result: PassResult) -> None:

@@ -20,10 +20,64 @@ from __future__ import annotations
 
 from typing import Dict, Hashable, Optional, Tuple
 
-from compile_pass.groups import Capture, CaptureGroup, Strategy
-from compile_pass.liveness import Interval, LivenessModel
+import torch.fx as fx
 
-__all__ = ["write_time", "planned_changes", "planned_peak", "changed_span"]
+from compile_pass.dataflow import NodeTable, is_cat
+from compile_pass.find import classify_producer
+from compile_pass.groups import Capture, CaptureGroup, Producer, Strategy
+from compile_pass.liveness import Interval, LivenessModel
+from compile_pass.twins import capture_values, twin_of
+
+__all__ = ["write_time", "planned_changes", "planned_peak", "changed_span",
+           "INDUCTOR_COMPUTES_INTO_CAT", "inductor_computes_into", "inductor_shared_storages"]
+
+#: Producers Inductor's concat lowering computes straight into the concat's output (their
+#: layout is still flexible when the concat is lowered; extern and fallback outputs, bmm
+#: and graph inputs are copied instead).
+INDUCTOR_COMPUTES_INTO_CAT = frozenset({Producer.POINTWISE, Producer.EXACT_ARITHMETIC,
+                                        Producer.CLONE, Producer.MATMUL})
+
+
+def inductor_computes_into(producer: fx.Node, table: Optional[NodeTable] = None) -> bool:
+    """Inductor's concat lowering computes ``producer`` straight into the concat output
+    (a ``NonOwningLayout`` slice of it), whatever else reads it: measured on the post-grad
+    graphs of the reference models, an ``addmm`` capture that is also the residual stream
+    lives in the concat's buffer from the first capture on."""
+    return classify_producer(producer, table) in INDUCTOR_COMPUTES_INTO_CAT
+
+
+def inductor_shared_storages(graph: fx.Graph, table: NodeTable, merge_twins: bool,
+                             except_cat: Optional[fx.Node] = None) -> Dict[fx.Node, fx.Node]:
+    """Values that hold another value's storage once Inductor has compiled ``graph``:
+    node -> the node whose storage it holds (``LivenessModel``'s ``computed_into``).
+
+    - ``merge_twins``: a capture and its twin (``twins.py``; merged before Inductor's
+      pattern passes by ``CaptureTwinsPass``) are one value, the earlier of the two;
+    - every concat input (but ``except_cat``'s) that Inductor computes into its concat
+      (``inductor_computes_into``), after twins are merged.
+    """
+    shared: Dict[fx.Node, fx.Node] = {}
+    if merge_twins:
+        for capture in capture_values(graph, table):
+            twin = twin_of(capture, table)
+            if twin is not None:
+                early, late = sorted((capture, twin), key=table.position.__getitem__)
+                shared[late] = early
+    for node in table.nodes:
+        if node is except_cat or not is_cat(node) or not node.args \
+                or not isinstance(node.args[0], (list, tuple)):
+            continue
+        for arg in node.args[0]:
+            if not isinstance(arg, fx.Node):
+                continue
+            value = shared.get(arg, arg)
+            if value not in shared and inductor_computes_into(value, table):
+                shared[value] = node
+    for node, holder in list(shared.items()):  # a twin merged into a value computed into a cat
+        while holder in shared:
+            holder = shared[holder]
+        shared[node] = holder
+    return shared
 
 
 def write_time(model: LivenessModel, capture: Capture) -> Optional[int]:
@@ -35,10 +89,13 @@ def write_time(model: LivenessModel, capture: Capture) -> Optional[int]:
     return 2 * model.position[capture.write_after] + 1
 
 
-def planned_changes(model: LivenessModel, group: CaptureGroup) -> Dict[Hashable, Optional[Interval]]:
-    """Interval changes that the planned rewrite of ``group`` makes to ``model``'s graph."""
+def planned_changes(model: LivenessModel, group: CaptureGroup,
+                    buffer_born: Optional[int] = None) -> Dict[Hashable, Optional[Interval]]:
+    """Interval changes that the planned rewrite of ``group`` makes to ``model``'s graph.
+    ``buffer_born``: when the packed buffer is allocated (0: before the graph runs, a
+    lifted buffer); default: right before the first write."""
     times = [t for t in (write_time(model, c) for c in group.captures) if t is not None]
-    first_write = min(times)
+    first_write = min(times) if buffer_born is None else buffer_born
     cat_key = model.keys_of[group.cat][0]
     packed = model.intervals[cat_key]
     buffer_last = packed.last
@@ -62,9 +119,9 @@ def planned_changes(model: LivenessModel, group: CaptureGroup) -> Dict[Hashable,
     return changes
 
 
-def planned_peak(model: LivenessModel, group: CaptureGroup) -> int:
+def planned_peak(model: LivenessModel, group: CaptureGroup, buffer_born: Optional[int] = None) -> int:
     """Estimated peak bytes of the graph after the planned rewrite of ``group``."""
-    return model.peak(planned_changes(model, group))
+    return model.peak(planned_changes(model, group, buffer_born))
 
 
 def changed_span(model: LivenessModel, group: CaptureGroup) -> Optional[Tuple[int, int]]:

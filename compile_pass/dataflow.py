@@ -36,6 +36,7 @@ __all__ = [
     "module_location",
     "NodeTable",
     "holders_of",
+    "copy_graph",
 ]
 
 _INPLACE_OPERATORS = {
@@ -304,3 +305,15 @@ def holders_of(storages: Mapping[fx.Node, Iterable[Hashable]]) -> Dict[Hashable,
             for key in keys:
                 holders.setdefault(key, []).append(node)
     return holders
+
+
+def copy_graph(graph: fx.Graph) -> Tuple[fx.Graph, Dict[fx.Node, fx.Node]]:
+    """A node-for-node copy of ``graph`` (metadata dicts copied, fake values shared)."""
+    new = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    new._codegen = graph._codegen
+    node_map: Dict[fx.Node, fx.Node] = {}
+    value, old_out = new.graph_copy(graph, node_map, return_output_node=True)
+    out_node = new.output(value, type_expr=old_out.type)
+    out_node.meta = dict(old_out.meta)
+    node_map[old_out] = out_node
+    return new, node_map

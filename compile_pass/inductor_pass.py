@@ -8,6 +8,13 @@ drops once pointwise and mm producers, which Inductor's concat lowering already 
 into the concat's output, are taken into account. Writes are the mutating
 ``compile_pass::write_slice_`` op, which Inductor lowers as an in-place fallback call.
 
+``CaptureTwinsPass`` is the post-grad *pre* pass (before Inductor's pattern passes): a
+capture that recomputes a value the model computes itself reads the model's value instead
+(``twins.py``), so the model compiles as it does without captures. The ``aux_capture``
+backend installs it whenever the pass is on; set it yourself next to ``AuxCapturePass``::
+
+    torch._inductor.config.post_grad_custom_pre_pass = compile_pass.CaptureTwinsPass()
+
 ``PieceWritesPass`` is the post-grad pass for pieces of a split graph, whose writes were
 put in on the Dynamo graph.
 
@@ -23,9 +30,12 @@ from typing import Any, Callable, List, Optional
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from compile_pass.capture_pass import PassResult, run_capture_pass
+from torch._dynamo.utils import counters
 
-__all__ = ["AuxCapturePass", "PieceWritesPass"]
+from compile_pass.capture_pass import PassResult, run_capture_pass
+from compile_pass.twins import TwinMerge, merge_capture_twins
+
+__all__ = ["AuxCapturePass", "CaptureTwinsPass", "PieceWritesPass"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -63,6 +73,28 @@ class AuxCapturePass(CustomGraphPass):
 
     def __repr__(self) -> str:
         return f"AuxCapturePass(cost_model={self.cost_model})"
+
+
+class CaptureTwinsPass(CustomGraphPass):
+    """Inductor post-grad pre pass: merge each capture with its twin (``twins.py``).
+
+    ``merges`` collects what it merged, graph after graph (shared with the backend that
+    made it, for the diff tool). It changes no computed value, only which node computes it.
+    """
+
+    def __init__(self, merges: Optional[List[TwinMerge]] = None) -> None:
+        self.merges: List[TwinMerge] = merges if merges is not None else []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        merged = merge_capture_twins(graph)
+        self.merges.extend(merged)
+        counters["aux_capture"]["twins_merged"] += len(merged)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files(_source_files(), extra="capture_twins")
+
+    def __repr__(self) -> str:
+        return "CaptureTwinsPass()"
 
 
 class PieceWritesPass(CustomGraphPass):

@@ -26,7 +26,8 @@ import torch
 import torch.fx as fx
 
 from compile_pass.backend import AuxCaptureBackend
-from compile_pass.capture_pass import copy_graph, run_capture_pass
+from compile_pass.capture_pass import run_capture_pass
+from compile_pass.dataflow import copy_graph
 from compile_pass.dataflow import sizes_at
 from compile_pass.groups import Decision
 from compile_pass.liveness import estimate_memory

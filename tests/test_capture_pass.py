@@ -18,7 +18,8 @@ from functorch.compile import make_boxed_func
 import models
 from compile_pass import find as find_module
 from compile_pass import find_capture_groups, run_capture_pass
-from compile_pass.capture_pass import TARGETS, copy_graph
+from compile_pass.capture_pass import TARGETS
+from compile_pass.dataflow import copy_graph
 from compile_pass.find import classify_producer
 from compile_pass.cost import planned_peak
 from compile_pass.groups import Decision, Producer, Strategy

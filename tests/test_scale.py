@@ -18,7 +18,7 @@ import torch.fx as fx
 
 import models
 from compile_pass import run_capture_pass
-from compile_pass.capture_pass import copy_graph
+from compile_pass.dataflow import copy_graph
 from compile_pass.dataflow import sizes_at
 from compile_pass.liveness import Interval, LivenessModel, estimate_memory
 from compile_pass.static_estimate import (

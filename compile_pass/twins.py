@@ -1,0 +1,167 @@
+"""Capture twins: a capture that recomputes a value the model computes itself.
+
+SGLang-style models capture ``aux.append(hidden_states + residual)`` and the next norm
+computes ``residual = hidden_states + residual`` again from the same two tensors. In eager
+code the two sums are bitwise equal. In a compiled inference graph (no CSE) they stay two
+nodes, and that changes what the *model* computes: the matmul that produces
+``hidden_states`` gets a second reader, so Inductor's ``add(mm, x) -> addmm`` fusion stops
+firing in capture layers only, and ``addmm`` rounds differently from ``mm`` + ``add``.
+More values are live there too.
+
+``merge_capture_twins(graph)`` replaces each such pair by one node, the earlier of the two,
+so the capture reads the model's own value: run before Inductor's pattern passes (a
+``post_grad_custom_pre_pass``), the graph then compiles like the build without captures
+plus one reader per capture. Invariant: two nodes are merged only when they call the same
+deterministic functional op on the same arguments and nothing writes any argument's
+storage between them, so every value the graph computes stays bitwise the same.
+
+``twin_of(node, table)`` is the same test without the merge, for estimates of graphs that
+Inductor merges later (the pass prices Dynamo graphs, ``cost.py``).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Set
+
+import torch
+import torch.fx as fx
+
+import compile_pass.ops  # noqa: F401  (registers compile_pass::write_slice_)
+from compile_pass.dataflow import NodeTable, source_line
+
+__all__ = ["TwinMerge", "capture_values", "merge_capture_twins", "twin_of"]
+
+_WRITE = torch.ops.compile_pass.write_slice_.default
+#: torch-IR spellings of pure arithmetic (Dynamo graphs): deterministic, no mutation
+_PURE_OPERATORS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
+                   operator.matmul, operator.getitem}
+
+
+@dataclass(frozen=True)
+class TwinMerge:
+    """One capture that now reads the model's own value: ``dropped`` (a node name) was
+    replaced everywhere by ``kept``, which computes the same op on the same arguments."""
+
+    kept: str
+    dropped: str
+    op: str
+    source: str  # user source line of the capture
+
+    def describe(self) -> str:
+        where = f" ({self.source})" if self.source else ""
+        return f"{self.dropped} merged into its twin {self.kept} ({self.op}){where}"
+
+
+def _is_pure(node: fx.Node) -> bool:
+    """A deterministic call that writes none of its arguments (safe to compute once)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in _PURE_OPERATORS:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    return not any(a.alias_info is not None and a.alias_info.is_write
+                   for a in target._schema.arguments)
+
+
+def _same_call(a: fx.Node, b: fx.Node) -> bool:
+    try:
+        return a.target == b.target and a.args == b.args and a.kwargs == b.kwargs
+    except RuntimeError:  # a tensor constant among the arguments: no equality
+        return False
+
+
+def _written_between(node: fx.Node, first: int, last: int, table: NodeTable) -> bool:
+    """Whether anything writes the storage of one of ``node``'s inputs strictly between
+    positions ``first`` and ``last``."""
+    for arg in table.inputs[node]:
+        key = table.key.get(arg)
+        holders = table.holders.get(key, [arg]) if key is not None else [arg]
+        for alias in holders:
+            for writer in table.mutators.get(alias, ()):
+                if first < table.position[writer] < last:
+                    return True
+    return False
+
+
+def twin_of(node: fx.Node, table: NodeTable) -> Optional[fx.Node]:
+    """The earliest other node of ``table``'s graph computing ``node``'s value bit for bit
+    (same pure op, same arguments, no write into an argument in between); None if none."""
+    if not _is_pure(node) or not table.inputs[node]:
+        return None
+    here = table.position[node]
+    best: Optional[fx.Node] = None
+    for candidate in table.inputs[node][0].users:
+        if candidate is node or candidate not in table.position or not _same_call(candidate, node):
+            continue
+        there = table.position[candidate]
+        if _written_between(node, min(here, there), max(here, there), table):
+            continue
+        if best is None or there < table.position[best]:
+            best = candidate
+    return best
+
+
+def _write_source(node: fx.Node) -> Optional[fx.Node]:
+    """The captured value a ``write_slice_`` call (plain or functionalized) copies."""
+    if node.op != "call_function":
+        return None
+    if node.target is _WRITE:
+        src = node.args[1] if len(node.args) > 1 else node.kwargs.get("src")
+    elif isinstance(node.target, torch._ops.HigherOrderOperator) and node.args and node.args[0] is _WRITE:
+        src = node.kwargs.get("src")
+    else:
+        return None
+    return src if isinstance(src, fx.Node) else None
+
+
+def capture_values(graph: fx.Graph, table: Optional[NodeTable] = None) -> List[fx.Node]:
+    """The values a graph captures, in graph order: what ``write_slice_`` calls copy
+    (rewritten groups, packers), the inputs of cross-layer capture concats and the captures
+    of cross-layer output groups (``find``)."""
+    from compile_pass.find import find_capture_groups, find_output_groups
+    from compile_pass.groups import Decision
+
+    table = NodeTable.of(graph, table)
+    values: Dict[fx.Node, None] = {}
+    for node in table.nodes:
+        src = _write_source(node)
+        if src is not None:
+            values[src] = None
+    for group in find_capture_groups(graph, table) + find_output_groups(graph, table):
+        if group.decision is Decision.FOUND:
+            for capture in group.captures:
+                values[capture.node] = None
+    return sorted(values, key=table.position.__getitem__)
+
+
+def _op_name(node: fx.Node) -> str:
+    target: Any = node.target
+    return getattr(target, "__name__", None) or str(target)
+
+
+def merge_capture_twins(graph: fx.Graph) -> List[TwinMerge]:
+    """Merge every capture with its twin (see the module docstring); return the merges."""
+    merges: List[TwinMerge] = []
+    table = NodeTable(graph)
+    dropped: Set[fx.Node] = set()
+    for capture in capture_values(graph, table):
+        if capture in dropped:
+            continue
+        twin = twin_of(capture, table)
+        while twin is not None:
+            keep, drop = (twin, capture) if table.position[twin] < table.position[capture] \
+                else (capture, twin)
+            merges.append(TwinMerge(keep.name, drop.name, _op_name(keep), source_line(capture)))
+            drop.replace_all_uses_with(keep)
+            graph.erase_node(drop)
+            dropped.add(drop)
+            table = NodeTable(graph)
+            capture = keep
+            twin = twin_of(capture, table)
+    return merges
