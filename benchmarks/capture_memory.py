@@ -38,6 +38,9 @@ from compile_pass.memory import measure_peak  # noqa: E402
 
 CONFIGS = ("capture_dominated", "tiny")
 INNERS = ("eager", "aot_eager", "inductor")
+#: compiled rows per inner: (row name, capture mode, pass on)
+COMPILED_VARIANTS = (("none", "none", False), ("list", "list", False), ("list+pass", "list", True),
+                     ("packer", "packer", False), ("packer+pass", "packer", True))
 
 
 def _packed(aux: Any) -> Optional[torch.Tensor]:
@@ -112,8 +115,7 @@ def bench_one(model_name: str, config: str, tokens: int, inners: List[str], repe
 
         for inner in inners:
             compiled: Dict[str, Tuple[int, Any, float, Any]] = {}
-            for variant, mode, rewrite in (("none", "none", False), ("list", "list", False),
-                                           ("list+pass", "list", True)):
+            for variant, mode, rewrite in COMPILED_VARIANTS:
                 model, inputs = build(mode)
                 torch._dynamo.reset()
                 backend = aux_capture_backend(inner, rewrite=rewrite)
@@ -124,17 +126,28 @@ def bench_one(model_name: str, config: str, tokens: int, inners: List[str], repe
                 compiled[variant] = (peak, result, seconds, backend)
             none_peak = compiled["none"][0]
             inner_reference = compiled["list"][1] if inner == "inductor" else reference
+            model_reference = compiled["none"][1][0]
             for variant, (peak, result, seconds, backend) in compiled.items():
                 extra: Dict[str, Any] = {}
-                if variant == "list+pass":
+                if variant != "none":
+                    # capturing must not change what the model computes: its output equals
+                    # the same compile of the model without captures, bit for bit
+                    extra["model_equal_no_capture"] = torch.equal(result[0], model_reference)
+                    if inner == "inductor" and not _equal(result, inner_reference):
+                        extra["captures_max_abs_diff"] = \
+                            (result[1].double() - inner_reference[1].double()).abs().max().item()
+                if variant.endswith("+pass"):
+                    base = compiled[variant[:-len("+pass")]]
                     groups = [g for r in backend.results for g in r.groups]
-                    extra = {
-                        "time_ratio_vs_no_pass": seconds / compiled["list"][2],
+                    extra.update({
+                        "time_ratio_vs_no_pass": seconds / base[2],
                         "pass_seconds_per_graph": [r.seconds for r in backend.results],
                         "groups_rewritten": sum(g.decision.value == "rewrite" for g in groups),
                         "decisions": [f"{g.cat.name}: {g.decision.value}: {g.reason}"
                                       for g in groups if g.k > 2 or g.decision.value == "rewrite"],
-                    }
+                        "buffers_lifted": sum(len(r.lifted) for r in backend.results if r.lifted),
+                        "twins_merged": len(backend.twin_merges),
+                    })
                 rows.append(row(inner, variant, peak, packed, none_peak,
                                 None if variant == "none" else _equal(result, inner_reference),
                                 seconds, **extra))
@@ -142,18 +155,20 @@ def bench_one(model_name: str, config: str, tokens: int, inners: List[str], repe
 
 
 def format_table(rows: List[Dict[str, Any]]) -> str:
-    header = (f"{'model':16} {'config':17} {'T':>6} {'execution':10} {'variant':10} "
-              f"{'peak MiB':>9} {'packed':>7} {'overhead':>8} {'equal':>6} {'t ratio':>7} {'pass ms':>8}")
+    header = (f"{'model':16} {'config':17} {'T':>6} {'execution':10} {'variant':11} "
+              f"{'peak MiB':>9} {'packed':>7} {'overhead':>8} {'equal':>6} {'model=':>6} {'t ratio':>7} "
+              f"{'pass ms':>8}")
     lines = [header, "-" * len(header)]
     for r in rows:
         ratio = f"{r['time_ratio_vs_no_pass']:.2f}" if "time_ratio_vs_no_pass" in r else ""
         pass_ms = (f"{1000 * max(r['pass_seconds_per_graph']):.1f}"
                    if r.get("pass_seconds_per_graph") else "")
         equal = _report.yes_no(r["bitwise_equal"])
+        model_equal = _report.yes_no(r.get("model_equal_no_capture"))
         lines.append(
-            f"{r['model']:16} {r['config']:17} {r['tokens']:>6} {r['execution']:10} {r['variant']:10} "
+            f"{r['model']:16} {r['config']:17} {r['tokens']:>6} {r['execution']:10} {r['variant']:11} "
             f"{r['peak_bytes'] / 2**20:9.1f} {r['packed_bytes'] / 2**20:7.1f} {r['overhead']:8.2f} "
-            f"{equal:>6} {ratio:>7} {pass_ms:>8}")
+            f"{equal:>6} {model_equal:>6} {ratio:>7} {pass_ms:>8}")
     return "\n".join(lines)
 
 
@@ -165,9 +180,11 @@ def format_markdown(rows: List[Dict[str, Any]]) -> str:
         ratio = f"{r['time_ratio_vs_no_pass']:.2f}" if "time_ratio_vs_no_pass" in r else ""
         cells.append((r["model"], r["config"], r["tokens"], r["execution"], r["variant"],
                       f"{r['peak_bytes'] / 2**20:.1f}", f"{r['packed_bytes'] / 2**20:.1f}",
-                      f"{r['overhead']:.2f}", _report.yes_no(r["bitwise_equal"]), ratio, pass_ms))
+                      f"{r['overhead']:.2f}", _report.yes_no(r["bitwise_equal"]),
+                      _report.yes_no(r.get("model_equal_no_capture")), ratio, pass_ms))
     return _report.markdown_table(("model", "config", "T", "execution", "capture", "peak MiB", "packed MiB",
-                                   "overhead", "bitwise", "time pass/no pass", "pass ms"), cells)
+                                   "overhead", "bitwise", "model = no capture", "time pass/no pass",
+                                   "pass ms"), cells)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -191,11 +208,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             for tokens in (int(t) for t in args.tokens.split(",")):
                 rows.extend(bench_one(model_name, config, tokens, args.inners.split(","),
                                       args.repeats, args.device, dtype))
-                print(format_table(rows[-(4 + 3 * len(args.inners.split(","))):]), flush=True)
+                print(format_table(rows[-(4 + len(COMPILED_VARIANTS) * len(args.inners.split(","))):]),
+                      flush=True)
     print()
     print(format_table(rows))
     _report.write_out(args.out, {"rows": rows})
-    return 0 if all(r["bitwise_equal"] in (None, True) for r in rows) else 1
+    return 0 if all(r["bitwise_equal"] in (None, True) and r.get("model_equal_no_capture", True)
+                    for r in rows) else 1
 
 
 if __name__ == "__main__":

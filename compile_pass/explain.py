@@ -202,6 +202,8 @@ class GraphExplain:
             "capture_producers": self.producers(),
             "concats": self.concats(),
             "packed_writes": self.writes,
+            "lifted_buffers": [b.describe() for b in r.lifted.buffers] if r.lifted else [],
+            "lift_note": r.lift_note,
             "timeline_before": timeline(r.timeline_before),
             "timeline_after": timeline(r.timeline_after),
         }
@@ -327,6 +329,13 @@ class ExplainReport:
                          "bold"))
             if r.error:
                 out.append(s(f"pass error (graph left unchanged): {r.error}", "red"))
+            if r.lifted is not None:
+                for spec in r.lifted.buffers:
+                    out.append(s(f"lifted: {spec.describe()}: a graph input the compiled graph's "
+                                 f"caller allocates per call (the 'after' code shows it in the "
+                                 f"graph)", "cyan"))
+            if r.lift_note:
+                out.append(s(f"note: {r.lift_note}", "yellow"))
             for note in graph.notes:
                 out.append(s(f"note: {note}", "yellow"))
             if r.groups:
@@ -486,8 +495,9 @@ def explain(model: Callable[..., Any], *example_inputs: Any, inner: str = "eager
     """Compile ``model`` with the aux_capture backend, run it once, report what the pass did.
 
     ``inner``: ``"eager"`` (the pass rewrites the Dynamo graph), ``"aot_eager"`` (the aten
-    graph after AOTAutograd) or ``"inductor"`` (Inductor's post-grad graph; its FX graph
-    cache is turned off so the pass really runs). ``dynamic``: ``torch.compile(dynamic=)``.
+    graph after AOTAutograd) or ``"inductor"`` (the Dynamo graph, packed buffers lifted to
+    inputs, capture twins merged by Inductor's pre pass; its FX graph cache is turned off so
+    the passes really run). ``dynamic``: ``torch.compile(dynamic=)``.
     ``cost_model=False``: rewrite every valid group whatever the estimate says.
     ``measure=True``: also measure the peak of one call (``measure_peak``) compiled with the
     pass off (``rewrite=False``) and on, after a warm-up call each.
@@ -528,9 +538,16 @@ def explain(model: Callable[..., Any], *example_inputs: Any, inner: str = "eager
                      f"on the whole Dynamo graph before the split")
         notes.extend(split.warnings)
     if inner == "inductor" and not split_ops:
-        notes.append("inductor: the pass ran on Inductor's post-grad graph; the estimate models "
-                     "Inductor computing pointwise/mm producers into the concat, not its "
-                     "buffer reuse")
+        notes.append("inductor: the pass ran on the Dynamo graph; packed buffers are then lifted "
+                     "to inputs that the compiled graph's caller allocates, outside Inductor's "
+                     "memory plan; the estimate models Inductor computing pointwise/mm producers "
+                     "into a concat and merging capture twins, not its buffer reuse")
+    if backend.twin_merges:
+        merges = backend.twin_merges
+        notes.append(f"Inductor's pre pass merged {len(merges)} capture twin"
+                     f"{'s' if len(merges) != 1 else ''} (the capture reads the model's own value): "
+                     + "; ".join(m.describe() for m in merges[:4])
+                     + ("; ..." if len(merges) > 4 else ""))
     measured = None
     if measure:
         measured = _measure(model, example_inputs, inner, dynamic, cost_model, compiled, options)

@@ -24,7 +24,7 @@ from compile_pass.dataflow import (
 from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Provenance
 
 __all__ = ["find_capture_groups", "find_output_groups", "classify_producer", "aten_packet",
-           "exact_out_variant"]
+           "exact_out_variant", "LAYER_DEPTH"]
 
 _OPERATOR_NAMES = {
     operator.add: "add", operator.sub: "sub", operator.mul: "mul",
@@ -34,6 +34,10 @@ _EXACT_ARITHMETIC = {"add", "sub", "mul", "div"}  # IEEE correctly rounded: bitw
 _MATMUL = {"mm", "addmm", "linear", "matmul"}
 _BATCHED_MATMUL = {"bmm", "baddbmm"}
 _CLONE = {"clone"}
+#: A depth spread (``CaptureGroup.depth_span``) of at least this many matmuls / opaque ops
+#: spans a whole layer: any decoder layer has two or more (attention's projections, the
+#: MLP's up and down). MLA's k = [k_nope, k_rope] join spreads 1 (kv_a, then kv_b).
+LAYER_DEPTH = 2
 
 
 def aten_packet(node: fx.Node) -> Optional[torch._ops.OpOverloadPacket]:
@@ -260,15 +264,19 @@ def _layer_depths(table: NodeTable) -> Dict[fx.Node, int]:
 
 
 def _spans_layers(group: CaptureGroup, depth: dict) -> bool:
-    """True if the captures depend on different numbers of matmuls/opaque ops.
+    """True if the captures depend on different numbers of matmuls/opaque ops; records
+    the spread in ``group.depth_span``.
 
     This is the dataflow sense of "captured across layers", independent of node order: a
-    concat whose inputs all come out of one block (RoPE's rotate-half, MLA's nope/rope
+    concat whose inputs all come out of one block (RoPE's rotate-half, MLA's q nope/rope
     join) has inputs at one depth, is not a capture group and stays with the compiler.
     """
+    depths = [depth[c.node] for c in group.captures]
+    group.depth_span = max(depths) - min(depths)
     if any(c.producer is Producer.GRAPH_INPUT for c in group.captures):
+        group.depth_span = max(group.depth_span, LAYER_DEPTH)
         return True  # a graph input and a computed value come from different places
-    return len({depth[c.node] for c in group.captures}) > 1
+    return group.depth_span > 0
 
 
 def find_capture_groups(graph_module: fx.GraphModule | fx.Graph,

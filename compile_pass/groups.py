@@ -150,6 +150,9 @@ class CaptureGroup:
     kind: GroupKind = GroupKind.CONCAT
     output_indices: Tuple[int, ...] = ()  # OUTPUTS: positions of the captures among the outputs
     packed_value: Optional[torch.Tensor] = None  # fake value of the packed result
+    #: deepest minus shallowest capture, in matmuls / opaque ops (``find``): how far apart
+    #: in the model the captures are taken (0: one block; ``find.LAYER_DEPTH``: a layer)
+    depth_span: int = 0
 
     @property
     def key(self) -> str:
@@ -184,6 +187,7 @@ class CaptureGroup:
             "estimated_peak_before": self.estimated_peak_before,
             "estimated_peak_after": self.estimated_peak_after,
             "placement": self.placement,
+            "depth_span": self.depth_span,
             "captures": [c.to_dict() for c in self.captures],
         }
 

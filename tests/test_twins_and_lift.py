@@ -1,0 +1,214 @@
+"""Capture twins (``twins.py``) and lifted packed buffers (``lift.py``), on graphs directly.
+
+Twins are merged on aten graphs from AOTAutograd, as Inductor's pre pass sees them; every
+merged graph is run and compared bitwise with the original. Lifting runs on Dynamo graphs:
+the lifted graph, called through ``WithLiftedBuffers``, must return what the original did.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List
+
+import pytest
+import torch
+import torch.fx as fx
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+import compile_pass.ops  # noqa: F401
+from compile_pass import AuxHiddenStatePacker
+from compile_pass.capture_pass import run_capture_pass
+from compile_pass.dataflow import NodeTable, copy_graph
+from compile_pass.inductor_pass import AuxCapturePass, CaptureTwinsPass, chain_post_grad_passes
+from compile_pass.lift import LiftError, WithLiftedBuffers, find_packed_buffers, lift_packed_buffers
+from compile_pass.twins import capture_values, merge_capture_twins, twin_of
+
+pytestmark = pytest.mark.usefixtures("_fresh_dynamo")
+
+_ADD = torch.ops.aten.add.Tensor
+
+
+def _aot_graph(fn: Callable, *args) -> fx.GraphModule:
+    graphs: List[fx.GraphModule] = []
+
+    def fw(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch.compile(fn, backend=aot_autograd(fw_compiler=fw), fullgraph=True)(*args)
+    return graphs[0]
+
+
+def _sglang_layers(x: torch.Tensor, ws: List[torch.Tensor]) -> torch.Tensor:
+    """Three layers, captures at the input of layers 1 and 2: ``aux.append(h + residual)``,
+    then the layer's own ``residual = h + residual``."""
+    aux, residual, h = [], x, x
+    for i, w in enumerate(ws):
+        if i:
+            aux.append(h + residual)
+            residual = h + residual
+        h = torch.relu(residual @ w)
+    return torch.cat([h] + aux, dim=-1)
+
+
+def _inputs(n: int = 3):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(16, 8, generator=g), [torch.randn(8, 8, generator=g) for _ in range(n)]
+
+
+def test_twins_are_merged_and_values_stay_bitwise():
+    x, ws = _inputs()
+    gm = _aot_graph(_sglang_layers, x, ws)
+    args = [x, *ws]
+    expected = fx.Interpreter(gm).run(*args)
+    adds_before = sum(n.target is _ADD for n in gm.graph.nodes)
+    merged = merge_capture_twins(gm.graph)
+    gm.recompile()
+    assert len(merged) == 2  # one twin per capture
+    assert sum(n.target is _ADD for n in gm.graph.nodes) == adds_before - 2
+    for merge in merged:
+        assert merge.op.startswith("add") and "merged into its twin" in merge.describe()
+    # each capture the concat reads is now the residual the next layer reads
+    table = NodeTable(gm.graph)
+    for capture in capture_values(gm.graph, table):
+        if capture.target is _ADD:
+            assert twin_of(capture, table) is None
+            assert any(u.target is torch.ops.aten.mm.default for u in capture.users)
+    torch.testing.assert_close(fx.Interpreter(gm).run(*args), expected, rtol=0, atol=0)
+
+
+def test_no_merge_across_a_mutation_of_an_argument():
+    graph = fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    first = graph.call_function(_ADD, (a, b))
+    graph.call_function(torch.ops.aten.add_.Tensor, (a, b))  # a changes between the two sums
+    second = graph.call_function(_ADD, (a, b))
+    cat = graph.call_function(torch.ops.aten.cat.default, ([first, second], -1))
+    graph.output(cat)
+    for node in graph.nodes:  # fake values: one storage per placeholder
+        node.meta["val"] = torch.empty(4, 2, device="meta") if node.op != "output" else None
+    graph.find_nodes(op="call_function", target=torch.ops.aten.add_.Tensor)[0].meta["val"] = \
+        a.meta["val"]
+    table = NodeTable(graph)
+    assert twin_of(first, table) is None and twin_of(second, table) is None
+
+
+def test_random_and_mutating_ops_have_no_twins():
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    r1 = graph.call_function(torch.ops.aten.rand_like.default, (x,))
+    r2 = graph.call_function(torch.ops.aten.rand_like.default, (x,))
+    graph.output(graph.call_function(torch.ops.aten.cat.default, ([r1, r2],)))
+    for node in graph.nodes:
+        node.meta["val"] = torch.empty(4, device="meta") if node.op != "output" else None
+    table = NodeTable(graph)
+    assert twin_of(r1, table) is None  # seeded random: two draws, not one value
+
+
+def test_twins_pass_chains_after_a_user_pre_pass_and_keys_the_cache():
+    calls = []
+
+    def user_pass(graph: fx.Graph) -> None:
+        calls.append(len(graph.nodes))
+
+    twins = CaptureTwinsPass()
+    chained = chain_post_grad_passes(user_pass, twins)
+    x, ws = _inputs()
+    gm = _aot_graph(_sglang_layers, x, ws)
+    chained(gm.graph)
+    assert calls and len(twins.merges) == 2
+    # the FX graph cache key covers both passes; a plain callable makes the chain uncacheable
+    assert chained.uuid() is None
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class UserPass(CustomGraphPass):
+        def __call__(self, graph):
+            user_pass(graph)
+
+        def uuid(self):
+            return "user-v1"
+
+    keyed = chain_post_grad_passes(UserPass(), CaptureTwinsPass())
+    assert "user-v1" in keyed.uuid() and repr(twins.uuid()) in keyed.uuid()
+    assert CaptureTwinsPass().uuid() == twins.uuid() != AuxCapturePass().uuid()
+
+
+# --------------------------------------------------------------------------- lifting
+
+
+def _dynamo_graph(fn: Callable, *args) -> fx.GraphModule:
+    graphs: List[fx.GraphModule] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.mark_dynamic(args[0], 0)
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return graphs[0]
+
+
+def _packer_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    aux = AuxHiddenStatePacker(3)
+    h = x
+    for _ in range(3):
+        h = torch.relu(h @ w)
+        aux.append(h + 1)
+    return aux.finalize()
+
+
+def _call_as_dynamo(gm: fx.GraphModule, x: torch.Tensor, w: torch.Tensor, lifted=None):
+    """Call a Dynamo graph (symbolic token count first, then the tensors)."""
+    values = []
+    tensors = iter([x, w])
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node.name.endswith("_input"):
+            continue
+        value = node.meta["example_value"]
+        values.append(x.shape[0] if isinstance(value, torch.SymInt) else next(tensors))
+    fn = WithLiftedBuffers(gm.forward, lifted) if lifted is not None else gm.forward
+    return fn(*values)
+
+
+def test_a_packers_buffer_is_lifted_and_allocated_per_call():
+    x, w = torch.randn(12, 8), torch.randn(8, 8)
+    gm = _dynamo_graph(_packer_model, x, w)
+    (buffer,) = find_packed_buffers(gm.graph)
+    before = gm.code
+    lifted_gm, lifted = lift_packed_buffers(gm)
+    assert gm.code == before  # Dynamo's own graph is not changed
+    assert lifted is not None and len(lifted) == 1 and find_packed_buffers(lifted_gm.graph) == []
+    spec = lifted.buffers[0]
+    assert spec.dtype == torch.float32 and len(spec.sizes) == 2 and spec.sizes[1] == 24
+    assert not isinstance(spec.sizes[0], int)  # the token count stays symbolic
+    placeholders = [n for n in lifted_gm.graph.nodes if n.op == "placeholder"]
+    assert placeholders[-1].name == spec.name and lifted.num_inputs == len(placeholders) - 1
+    for tokens in (12, 5):  # one graph, every token count
+        xt = torch.randn(tokens, 8)
+        expected = _packer_model(xt, w)
+        (out,) = _call_as_dynamo(lifted_gm, xt, w, lifted)
+        assert out.shape == (tokens, 24) and torch.equal(out, expected)
+
+
+def test_a_size_no_input_carries_cannot_be_lifted():
+    x, w = torch.randn(12, 8), torch.randn(8, 8)
+    gm = _dynamo_graph(_packer_model, x, w)
+    for node in gm.graph.nodes:  # forget where the token count comes from
+        if node.op == "placeholder":
+            value = node.meta["example_value"]
+            if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] != 8:
+                node.meta["example_value"] = torch.empty(12, 8, device="meta")
+            elif isinstance(value, torch.SymInt):
+                node.meta["example_value"] = 12
+    with pytest.raises(LiftError, match="is not read off any graph input"):
+        lift_packed_buffers(gm)
+
+
+def test_lifted_target_prices_the_buffer_from_the_start():
+    x, ws = _inputs(4)
+    gm = _dynamo_graph(_sglang_layers, x, ws)
+    result = run_capture_pass(fx.GraphModule(gm, copy_graph(gm.graph)[0]), "dynamo_lifted",
+                              cost_model=False)
+    (group,) = [g for g in result.groups if g.k == 4]
+    assert group.placement == "dynamo_lifted" and group.depth_span >= 2
+    assert group.estimated_peak_after >= group.packed_bytes
