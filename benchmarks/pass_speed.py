@@ -2,17 +2,24 @@
 
 Each model is built on the meta device (bf16, DeepSeek-V3 dimensions, ``num_layers``
 overridden, Eagle3 captures), traced once with fake tensors (token count symbolic) into the
-graph the pass sees under an inner compiler (``eager``: the Dynamo graph; ``aot_eager``:
-AOTAutograd's forward graph; ``inductor``: that AOT forward graph, run with the pass's
-post-grad target: Inductor's cost model and hoisting, as ``AuxCapturePass`` runs on the
-post-grad graph, which is the same functional aten graph after Inductor's own passes),
-and the pass runs ``--repeats`` times, each on a fresh
-node-for-node copy of that graph, as the backend runs it (``estimate=False``). Reported per
-graph: wall time (``PassResult.seconds``) and CPU time of the process (``time.process_time``,
-less disturbed by other jobs on a shared machine), minimum and median; ms per layer; a
-least-squares line ms = a + b * layers with its R^2; the Python function calls of one run
-per node (the work: constant per node when the pass is linear) and the time per node of a
-trivial sweep over the graph (what merely reading a node costs at that graph size).
+graph a pass sees, and the pass runs ``--repeats`` times, each on a fresh node-for-node copy
+of that graph, as the backend runs it (``estimate=False``). The rows (``--inners``):
+
+- ``eager``: the Dynamo graph, target ``dynamo`` (the eager inner);
+- ``aot_eager``: AOTAutograd's forward graph, target ``aot``;
+- ``inductor``: the Dynamo graph, target ``dynamo_lifted``: what the inductor inner runs
+  before AOTAutograd (Inductor's cost model, buffers priced as lifted, twins merged);
+- ``inductor_twins``: ``CaptureTwinsPass`` on AOTAutograd's forward graph, the functional
+  aten graph Inductor's post-grad pre pass sees: what the inductor inner runs after it;
+- ``post_grad``: ``AuxCapturePass`` (target ``post_grad``: Inductor's cost model and
+  hoisting) on that aten graph, as a user who sets it in Inductor's config runs it.
+
+Reported per graph: wall time (``PassResult.seconds``) and CPU time of the process
+(``time.process_time``, less disturbed by other jobs on a shared machine), minimum and
+median; ms per layer; a least-squares line ms = a + b * layers with its R^2; the Python
+function calls of one run per node (the work: constant per node when the pass is linear)
+and the time per node of a trivial sweep over the graph (what merely reading a node costs
+at that graph size).
 
     python benchmarks/pass_speed.py --out docs/results/pass_speed.json
     python benchmarks/pass_speed.py --inners eager --layers 16,61 --profile   # cProfile, largest graph
@@ -52,7 +59,7 @@ import torch.fx as fx  # noqa: E402
 
 import _report  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
 from compile_pass.backend import AuxCaptureBackend  # noqa: E402
-from compile_pass.capture_pass import copy_graph, run_capture_pass  # noqa: E402
+from compile_pass.capture_pass import PassResult, copy_graph, run_capture_pass  # noqa: E402
 from models.deepseek import DeepseekModel, deepseek_v3_config  # noqa: E402
 
 TOKENS = 4096
@@ -67,9 +74,25 @@ class _Recorder(AuxCaptureBackend):
         self.graphs.append((gm, target))
 
 
-#: inner -> the inner whose graph it is timed on, and the pass target where it differs
-_TRACED_AS = {"eager": "eager", "aot_eager": "aot_eager", "inductor": "aot_eager"}
-_TARGET = {"inductor": "post_grad"}
+#: row -> the inner whose graph it is timed on, and what runs on it (a pass target, or
+#: TWINS: Inductor's pre pass)
+TWINS = "twins"
+_ROWS = {"eager": ("eager", "dynamo"), "aot_eager": ("aot_eager", "aot"),
+         "inductor": ("eager", "dynamo_lifted"), "inductor_twins": ("aot_eager", TWINS),
+         "post_grad": ("aot_eager", "post_grad")}
+
+
+def run_timed(gm: fx.GraphModule, target: str) -> PassResult:
+    """One run of ``target`` on ``gm`` (in place), as a PassResult (``seconds``: wall time)."""
+    if target != TWINS:
+        return run_capture_pass(gm, target)
+    from compile_pass.twins import merge_capture_twins
+
+    start = time.perf_counter()
+    merges = merge_capture_twins(gm.graph)
+    result = PassResult(TWINS, [], "", None, seconds=time.perf_counter() - start)
+    result.counts = {"twins_merged": len(merges)}
+    return result
 
 
 def trace(num_layers: int, inner: str) -> Tuple[fx.GraphModule, str]:
@@ -94,21 +117,21 @@ def _fresh(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def time_pass(gm: fx.GraphModule, target: str, repeats: int) -> Dict[str, Any]:
-    run_capture_pass(_fresh(gm), target)  # warm-up: op schemas, caches, imports
+    run_timed(_fresh(gm), target)  # warm-up: op schemas, caches, imports
     wall: List[float] = []
     cpu: List[float] = []
     result = None
     for _ in range(repeats):
         copy = _fresh(gm)
         start = time.process_time()
-        result = run_capture_pass(copy, target)
+        result = run_timed(copy, target)
         cpu.append(time.process_time() - start)
         wall.append(result.seconds)
     assert result is not None
     profiler = cProfile.Profile()
     copy = _fresh(gm)
     profiler.enable()
-    run_capture_pass(copy, target)
+    run_timed(copy, target)
     profiler.disable()
     return {"wall_ms": [1000 * s for s in wall], "cpu_ms": [1000 * s for s in cpu],
             "groups": len(result.groups), "rewritten": result.changed, "error": result.error,
@@ -199,7 +222,7 @@ def format_saved(saved: Dict[str, Any]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="16,32,61")
-    parser.add_argument("--inners", default="eager,aot_eager,inductor")
+    parser.add_argument("--inners", default=",".join(_ROWS))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--profile", action="store_true", help="cProfile one pass on the largest graph")
     parser.add_argument("--repo", default=_HERE, help="checkout whose compile_pass and models to time")
@@ -212,15 +235,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     layer_counts = sorted(int(n) for n in args.layers.split(","))
     inners = args.inners.split(",")
     for inner in inners:
-        if inner not in _TRACED_AS:
-            parser.error(f"--inners: {inner!r} is not one of {', '.join(_TRACED_AS)}")
+        if inner not in _ROWS:
+            parser.error(f"--inners: {inner!r} is not one of {', '.join(_ROWS)}")
     rows: List[Dict[str, Any]] = []
-    for inner in inners:
-        for layers in layer_counts:
-            start = time.perf_counter()
-            gm, target = trace(layers, _TRACED_AS[inner])
-            target = _TARGET.get(inner, target)
-            traced = time.perf_counter() - start
+    for layers in layer_counts:
+        traces: Dict[str, Tuple[fx.GraphModule, float]] = {}  # one trace per graph kind
+        for inner in inners:
+            traced_as, target = _ROWS[inner]
+            if traced_as not in traces:
+                start = time.perf_counter()
+                traces[traced_as] = (trace(layers, traced_as)[0], time.perf_counter() - start)
+            gm, traced = traces[traced_as]
             row = {"inner": inner, "target": target, "layers": layers, "nodes": len(gm.graph.nodes),
                    "trace_seconds": traced, **time_pass(gm, target, args.repeats)}
             rows.append(row)
@@ -231,7 +256,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 profiler = cProfile.Profile()
                 copy = _fresh(gm)
                 profiler.enable()
-                run_capture_pass(copy, target)
+                run_timed(copy, target)
                 profiler.disable()
                 out = io.StringIO()
                 stats = pstats.Stats(profiler, stream=out)
@@ -239,6 +264,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 stats.sort_stats("tottime").print_stats(12)  # the hot functions
                 print(out.getvalue())
             del gm
+        del traces
     fits = summarize(rows)
     calibration = calibration_us()
     print()

@@ -13,7 +13,7 @@ from compile_pass.capture_pass import PassResult, rewrite_graph, run_capture_pas
 from compile_pass.explain import explain
 from compile_pass.find import find_capture_groups, find_output_groups
 from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Strategy
-from compile_pass.inductor_pass import AuxCapturePass
+from compile_pass.inductor_pass import AuxCapturePass, CaptureTwinsPass
 from compile_pass.memory import Peak, measure_peak
 from compile_pass.split import SplitGraph, split_graph
 from compile_pass.packer import (
@@ -30,6 +30,7 @@ logging.getLogger("compile_pass").addHandler(logging.NullHandler())
 __all__ = [
     "AuxCaptureBackend",
     "AuxCapturePass",
+    "CaptureTwinsPass",
     "Capture",
     "CaptureGroup",
     "Decision",

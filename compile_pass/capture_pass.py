@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch.fx as fx
 from torch._dynamo.utils import counters
@@ -25,6 +25,7 @@ from compile_pass.find import LAYER_DEPTH, find_capture_groups, find_output_grou
 from compile_pass.groups import CaptureGroup, Decision, GroupKind, summarize
 from compile_pass.lift import LiftedBuffers
 from compile_pass.liveness import LivenessModel, MemoryTimeline
+from compile_pass.twins import capture_twins, capture_values
 from compile_pass.plan import GraphFacts, plan_group
 from compile_pass.rewrite import RewriteError, rewrite_group
 
@@ -116,11 +117,16 @@ class PassResult:
 
 
 def _liveness(graph: fx.Graph, target: Target, except_cat: Optional[fx.Node] = None,
-              table: Optional[NodeTable] = None) -> LivenessModel:
+              table: Optional[NodeTable] = None,
+              twins: Optional[Mapping[fx.Node, fx.Node]] = None) -> LivenessModel:
+    """The liveness model of ``graph`` as ``target``'s compiler runs it. ``twins``: the
+    graph's capture twins if known (lifted targets merge them; found here otherwise)."""
     if not target.inductor_cost:
         return LivenessModel(graph, table=table)
     table = NodeTable.of(graph, table)
-    shared = inductor_shared_storages(graph, table, merge_twins=target.lift, except_cat=except_cat)
+    if target.lift and twins is None:
+        twins = capture_twins(capture_values(graph, table), table)
+    shared = inductor_shared_storages(table, twins if target.lift else None, except_cat)
     return LivenessModel(graph, shared, table=table)
 
 
@@ -132,12 +138,15 @@ def _mib(n: Optional[int]) -> str:
 
 class _GraphState:
     """Facts and liveness of the current graph, all from one ``NodeTable`` (the finder's),
-    rebuilt only when the graph changes."""
+    rebuilt only when the graph changes. ``groups``: the graph's groups as found."""
 
-    def __init__(self, gm: fx.GraphModule, target: Target, table: NodeTable) -> None:
+    def __init__(self, gm: fx.GraphModule, target: Target, table: NodeTable,
+                 groups: Sequence[CaptureGroup]) -> None:
         self.gm, self.target, self.table = gm, target, table
         self.facts = GraphFacts(gm.graph, table)
-        self.liveness = _liveness(gm.graph, target, table=table)
+        self.twins = capture_twins(capture_values(gm.graph, table, groups), table) \
+            if target.lift else {}
+        self.liveness = _liveness(gm.graph, target, table=table, twins=self.twins)
         self.peak = self.liveness.peak()
 
 
@@ -183,8 +192,10 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
     else:
         # under Inductor's cost model the rewritten group's producers are no longer fused
         # into its concat, so they are priced on a model without that fusion
-        after_model = _liveness(state.gm.graph, target, except_cat=group.cat, table=state.table) \
-            if target.inductor_cost else state.liveness
+        if target.lift and _lifted_buffer_cannot_pay(state, group):
+            return False
+        after_model = _liveness(state.gm.graph, target, except_cat=group.cat, table=state.table,
+                                twins=state.twins) if target.inductor_cost else state.liveness
         after = planned_peak(after_model, group, buffer_born=0 if target.lift else None)
     group.estimated_peak_before, group.estimated_peak_after = before, after
     slack = _lift_slack(group) if target.lift else 0
@@ -208,6 +219,27 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
         group.reason += ("; within one capture of the list path: the buffer is allocated by the "
                          "caller, outside Inductor's memory plan, which the list path's concat "
                          "buffer changes")
+    return True
+
+
+def _lifted_buffer_cannot_pay(state: _GraphState, group: CaptureGroup) -> bool:
+    """Reject ``group`` (True) without pricing its rewrite where a lifted buffer cannot pay:
+    it is live from the start, so before the first capture is produced the rewritten graph
+    holds what the graph holds now plus the packed bytes. If that alone exceeds the
+    estimated peak by more than the slack (``_lift_slack``), no saving later can help
+    (MLA's k join, one per layer: its inputs come right before it)."""
+    produced = [2 * state.liveness.position[c.node] for c in group.captures
+                if c.node.op not in ("placeholder", "get_attr")]
+    first = min(produced, default=0)
+    if first == 0:
+        return False
+    floor = state.liveness.max_outside(first, state.liveness.end) + group.packed_bytes
+    if floor <= state.peak + _lift_slack(group):
+        return False
+    group.estimated_peak_before, group.estimated_peak_after = state.peak, floor
+    group.reject(f"estimated peak would rise ({_mib(state.peak)} -> at least {_mib(floor)}): a "
+                 f"buffer allocated before the graph runs is live through the peak before the "
+                 f"first capture")
     return True
 
 
@@ -308,7 +340,7 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
             if group.decision is not Decision.FOUND:
                 continue
             group.placement = target.name
-            state = state or _GraphState(gm, target, table)
+            state = state or _GraphState(gm, target, table, groups)
             if not _decide(state, group, cost_model):
                 continue
             # the trial on a copy succeeded: the same rewrite on the graph itself

@@ -18,7 +18,7 @@ copy of the graph instead (``capture_pass._decide``).
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, Optional, Tuple
+from typing import Dict, Hashable, Mapping, Optional, Tuple
 
 import torch.fx as fx
 
@@ -26,7 +26,6 @@ from compile_pass.dataflow import NodeTable, is_cat
 from compile_pass.find import classify_producer
 from compile_pass.groups import Capture, CaptureGroup, Producer, Strategy
 from compile_pass.liveness import Interval, LivenessModel
-from compile_pass.twins import capture_values, twin_of
 
 __all__ = ["write_time", "planned_changes", "planned_peak", "changed_span",
            "INDUCTOR_COMPUTES_INTO_CAT", "inductor_computes_into", "inductor_shared_storages"]
@@ -46,23 +45,17 @@ def inductor_computes_into(producer: fx.Node, table: Optional[NodeTable] = None)
     return classify_producer(producer, table) in INDUCTOR_COMPUTES_INTO_CAT
 
 
-def inductor_shared_storages(graph: fx.Graph, table: NodeTable, merge_twins: bool,
+def inductor_shared_storages(table: NodeTable, twins: Optional[Mapping[fx.Node, fx.Node]] = None,
                              except_cat: Optional[fx.Node] = None) -> Dict[fx.Node, fx.Node]:
-    """Values that hold another value's storage once Inductor has compiled ``graph``:
-    node -> the node whose storage it holds (``LivenessModel``'s ``computed_into``).
+    """Values that hold another value's storage once Inductor has compiled ``table``'s
+    graph: node -> the node whose storage it holds (``LivenessModel``'s ``computed_into``).
 
-    - ``merge_twins``: a capture and its twin (``twins.py``; merged before Inductor's
-      pattern passes by ``CaptureTwinsPass``) are one value, the earlier of the two;
+    - ``twins``: captures merged with their twins before Inductor's pattern passes
+      (``twins.capture_twins``: the later of a pair -> the earlier) are one value;
     - every concat input (but ``except_cat``'s) that Inductor computes into its concat
       (``inductor_computes_into``), after twins are merged.
     """
-    shared: Dict[fx.Node, fx.Node] = {}
-    if merge_twins:
-        for capture in capture_values(graph, table):
-            twin = twin_of(capture, table)
-            if twin is not None:
-                early, late = sorted((capture, twin), key=table.position.__getitem__)
-                shared[late] = early
+    shared: Dict[fx.Node, fx.Node] = dict(twins or {})
     for node in table.nodes:
         if node is except_cat or not is_cat(node) or not node.args \
                 or not isinstance(node.args[0], (list, tuple)):

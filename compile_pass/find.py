@@ -306,7 +306,9 @@ def find_capture_groups(graph_module: fx.GraphModule | fx.Graph,
 
 
 def _output_values(graph: fx.Graph) -> List[object]:
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    output = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+    if output is None:  # a graph under construction returns nothing yet
+        return []
     returned = output.args[0] if output.args else ()
     return list(returned) if isinstance(returned, (list, tuple)) else [returned]
 

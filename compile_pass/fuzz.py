@@ -9,11 +9,17 @@ inputs; :func:`run_case` compiles it with ``aux_capture_backend(inner, cost_mode
 compares outputs, and any inputs the module mutates, bitwise with:
 
 - the eager module, for the ``eager`` and ``aot_eager`` inners;
-- the same Inductor compile with ``rewrite=False``, for ``inductor`` (its kernels may round
-  differently from eager). Both Inductor compiles run with ``emulate_precision_casts=True``
-  (``INDUCTOR_OPTIONS``): by default Inductor keeps fused fp16/bf16 intermediates in fp32, and
-  the rewrite, which materializes captures for ``write_slice_``, changes fusion and so the
-  last bits of low-precision outputs (``run_case(..., inductor_options={})`` shows it).
+- for ``inductor`` (its kernels may round differently from eager): the model's own output
+  (the final hidden state) and the inputs it mutates against Inductor's build of the same
+  module *without captures* (it returns ``(h,)`` only), the captures against the same
+  Inductor compile with ``rewrite=False`` (the list build), or, where they differ, against
+  that build with capture twins merged (``CaptureTwinsPass``: the captures read the model's
+  own values, whose ``addmm`` may round differently from the list build's ``mm`` + ``add``;
+  counted as ``twin_rounding`` with the largest difference). Every Inductor compile runs
+  with ``emulate_precision_casts=True`` (``INDUCTOR_OPTIONS``): by default Inductor keeps
+  fused fp16/bf16 intermediates in fp32, and the rewrite, which materializes captures for
+  ``write_slice_``, changes fusion and so the last bits of low-precision outputs
+  (``run_case(..., inductor_options={})`` shows it).
 
 Besides bitwise equality a case records what the pass reported: exceptions it contained
 (``pass_errors``) and reports that contradict the spec (``anomalies``: e.g. a concat dim read
@@ -421,6 +427,8 @@ class FuzzDecoder(nn.Module):
 
     def __init__(self, spec: CaseSpec) -> None:
         super().__init__()
+        #: False: forward returns ``(h,)`` only: the build without captures (``run_case``)
+        self.returns_captures = True
         self.spec = spec
         g = torch.Generator().manual_seed(spec.seed)
         dt, H = spec.torch_dtype, spec.hidden
@@ -638,6 +646,8 @@ class FuzzDecoder(nn.Module):
         if spec.extra_cat is not None and spec.extra_late:
             outputs.append(self._extra_cat(caps, packed))
         outputs[0] = h
+        if not self.returns_captures:  # the build without captures: the model's own output
+            return (h,)
         return tuple(outputs)
 
 
@@ -674,6 +684,11 @@ class CaseResult:
     #: output pairs sharing storage in the compiled module only (allowed: returned captures
     #: packed by pack_outputs)
     aliased: List[Tuple[int, int]] = field(default_factory=list)
+    #: inductor: the captures differ from the list build's only as the list build with
+    #: capture twins merged computes them (fused vs unfused add): their largest difference
+    twin_rounding: Optional[float] = None
+    #: inductor: the list build (pass off) changes the model's own output, vs no captures
+    list_changes_model: bool = False
     detail: str = ""  # what differed
     baseline: str = ""  # on failure: the same compile with rewrite=False ("ok" / what failed)
     seconds: float = 0.0
@@ -755,13 +770,19 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 def _compiled_run(module: nn.Module, inputs: Sequence[torch.Tensor], inner: str, rewrite: bool,
                   cost_model: bool, inductor_options: Optional[Dict[str, Any]] = None,
-                  backend_options: Optional[Dict[str, Any]] = None):
+                  backend_options: Optional[Dict[str, Any]] = None, twins_only: bool = False):
     """(outputs, inputs after the run, backend) of one fresh compile; raises what it raises.
 
-    ``backend_options``: ``pack_outputs`` / ``split_ops`` (``CaseSpec.backend_options``)."""
+    ``backend_options``: ``pack_outputs`` / ``split_ops`` (``CaseSpec.backend_options``).
+    ``twins_only`` (inductor, ``rewrite=False``): Inductor merges capture twins
+    (``CaptureTwinsPass``) but nothing is rewritten: the captures as the rewrite computes them."""
     torch._dynamo.reset()
     options = dict(INDUCTOR_OPTIONS if inductor_options is None else inductor_options) \
         if inner == "inductor" else {}
+    if twins_only:
+        from compile_pass.inductor_pass import CaptureTwinsPass
+
+        options["post_grad_custom_pre_pass"] = CaptureTwinsPass()
     backend = aux_capture_backend(inner, rewrite=rewrite, cost_model=cost_model,
                                   **(backend_options or {}), **options)
     _LAST_BACKEND[:] = [backend]
@@ -824,10 +845,50 @@ def _anomalies(spec: CaseSpec, group: Any) -> List[str]:
     return []
 
 
+def _compare_inductor(result: CaseResult, module: nn.Module, inputs: Sequence[torch.Tensor],
+                      out: Sequence[Any], args: Sequence[Any], ref_out: Sequence[Any],
+                      ref_args: Sequence[Any], cost_model: bool,
+                      inductor_options: Optional[Dict[str, Any]]) -> Optional[str]:
+    """The rule under Inductor: the model's own output and the inputs it mutates equal the
+    build without captures (``returns_captures=False``) bit for bit; the captures equal the
+    list build's, or, where they do not, the list build's with capture twins merged (then
+    ``result.twin_rounding`` records how far the list build's are: a fused vs unfused add).
+    Outputs may share storage only as the reference's do (and returned captures)."""
+    spec = result.spec
+    module.returns_captures = False
+    try:
+        nc_out, nc_args, _ = _compiled_run(module, inputs, "inductor", False, cost_model,
+                                           inductor_options, spec.backend_options)
+    finally:
+        module.returns_captures = True
+    model_diff = _difference(out[:1], nc_out, "model output (vs the build without captures)") \
+        or _difference(args, nc_args, "input after run (vs the build without captures)")
+    if model_diff is not None:
+        return model_diff
+    result.list_changes_model = _difference(ref_out[:1], nc_out, "") is not None
+    capture_diff = _compare(out[1:], args, ref_out[1:], ref_args)
+    if capture_diff is not None:
+        twin_out, twin_args, _ = _compiled_run(module, inputs, "inductor", False, cost_model,
+                                               inductor_options, spec.backend_options,
+                                               twins_only=True)
+        if _compare(out[1:], args, twin_out[1:], twin_args) is not None:
+            return f"captures: {capture_diff} (and vs the list build with twins merged)"
+        result.twin_rounding = max(
+            ((a.double() - b.double()).abs().max().item() if a.numel() else 0.0)
+            for a, b in zip(out[1:], ref_out[1:]) if isinstance(a, torch.Tensor))
+    extra = {(i, j) for i, j in _aliasing(out) - _aliasing(ref_out)
+             if not (i in _packed_outputs(spec) and j in _packed_outputs(spec))}
+    if extra:
+        return f"outputs {sorted(extra)} share storage in the compiled module only"
+    return None
+
+
 def run_case(spec: CaseSpec, inner: str, cost_model: bool = False,
              inductor_options: Optional[Dict[str, Any]] = None) -> CaseResult:
     """Compile ``spec``'s module with the pass (``inner``) and compare it bitwise with the
-    reference (eager, or Inductor with ``rewrite=False``). Compile errors are recorded.
+    reference: eager for ``eager``/``aot_eager``; for ``inductor`` the rule of
+    ``_compare_inductor`` (the model's output vs the Inductor build without captures, the
+    captures vs the Inductor list build). Compile errors are recorded.
 
     ``inductor_options``: Inductor config of both ``inductor`` compiles (default
     ``INDUCTOR_OPTIONS``; pass ``{}`` for Inductor's defaults)."""
@@ -855,7 +916,13 @@ def run_case(spec: CaseSpec, inner: str, cost_model: bool = False,
             result.compile_error = _error(e)
             out = None
         backend = _LAST_BACKEND[0]
-        if out is not None:
+        if out is not None and inner == "inductor":
+            diff = _compare_inductor(result, module, inputs, out, args, ref_out, ref_args,
+                                     cost_model, inductor_options)
+            result.aliased = sorted(_aliasing(out) - _aliasing(ref_out))
+            result.equal = diff is None
+            result.detail = diff or ""
+        elif out is not None:
             diff = _compare(out, args, ref_out, ref_args, _packed_outputs(spec))
             result.aliased = sorted(_aliasing(out) - _aliasing(ref_out))
             result.equal = diff is None
@@ -932,7 +999,8 @@ def fuzz(n: int, inners: Sequence[str], start_seed: int = 0, inductor_every: int
             stats = per_inner.setdefault(inner, dict(runs=0, mismatches=0, compile_failures=0,
                                                      groups_rewritten=0, groups_rejected=0,
                                                      outputs_rewritten=0, outputs_rejected=0,
-                                                     pass_errors=0, anomalies=0))
+                                                     pass_errors=0, anomalies=0, twin_rounding=0,
+                                                     twin_rounding_max=0.0, list_changes_model=0))
             try:
                 r = run_case(spec, inner, cost_model=cost_model)
             except Exception as e:  # noqa: BLE001 - a bug of the generator itself: report it
@@ -945,6 +1013,10 @@ def fuzz(n: int, inners: Sequence[str], start_seed: int = 0, inductor_every: int
             stats["outputs_rejected"] += r.outputs_rejected
             stats["pass_errors"] += len(r.pass_errors)
             stats["anomalies"] += len(r.anomalies)
+            if r.twin_rounding is not None:
+                stats["twin_rounding"] += 1
+                stats["twin_rounding_max"] = max(stats["twin_rounding_max"], r.twin_rounding)
+            stats["list_changes_model"] += int(r.list_changes_model)
             strategies.update(r.strategies)
             for reason in r.reasons:
                 reasons[_reason_key(reason)] += 1
@@ -988,6 +1060,11 @@ def format_summary(summary: Dict[str, Any]) -> str:
                      f"rejected={s['groups_rejected']} pass_errors={s['pass_errors']} "
                      f"anomalies={s['anomalies']} (output groups: "
                      f"rewritten={s['outputs_rewritten']} rejected={s['outputs_rejected']})")
+        if s.get("twin_rounding") or s.get("list_changes_model"):
+            lines.append(f"  {'':10s} captures as the model computes them (twins merged) where "
+                         f"the list build rounds differently: {s['twin_rounding']} cases, largest "
+                         f"difference {s['twin_rounding_max']:.3g}; list build (pass off) changes "
+                         f"the model's own output: {s['list_changes_model']} cases")
     lines.append("  cases per knob: " + ", ".join(f"{k}: {v}" for k, v in summary["knobs"].items()))
     lines.append("  strategies: " + ", ".join(f"{k}={v}" for k, v in summary["strategies"].items()))
     lines.append("  decisions:")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Set
 
 import torch
 import torch.fx as fx
@@ -31,7 +31,10 @@ import torch.fx as fx
 import compile_pass.ops  # noqa: F401  (registers compile_pass::write_slice_)
 from compile_pass.dataflow import NodeTable, source_line
 
-__all__ = ["TwinMerge", "capture_values", "merge_capture_twins", "twin_of"]
+if TYPE_CHECKING:
+    from compile_pass.groups import CaptureGroup
+
+__all__ = ["TwinMerge", "capture_twins", "capture_values", "merge_capture_twins", "twin_of"]
 
 _WRITE = torch.ops.compile_pass.write_slice_.default
 #: torch-IR spellings of pure arithmetic (Dynamo graphs): deterministic, no mutation
@@ -120,10 +123,11 @@ def _write_source(node: fx.Node) -> Optional[fx.Node]:
     return src if isinstance(src, fx.Node) else None
 
 
-def capture_values(graph: fx.Graph, table: Optional[NodeTable] = None) -> List[fx.Node]:
+def capture_values(graph: fx.Graph, table: Optional[NodeTable] = None,
+                   groups: Optional[Sequence["CaptureGroup"]] = None) -> List[fx.Node]:
     """The values a graph captures, in graph order: what ``write_slice_`` calls copy
     (rewritten groups, packers), the inputs of cross-layer capture concats and the captures
-    of cross-layer output groups (``find``)."""
+    of cross-layer output groups (``find``; ``groups``: those groups if already found)."""
     from compile_pass.find import find_capture_groups, find_output_groups
     from compile_pass.groups import Decision
 
@@ -133,11 +137,26 @@ def capture_values(graph: fx.Graph, table: Optional[NodeTable] = None) -> List[f
         src = _write_source(node)
         if src is not None:
             values[src] = None
-    for group in find_capture_groups(graph, table) + find_output_groups(graph, table):
+    if groups is None:
+        groups = find_capture_groups(graph, table) + find_output_groups(graph, table)
+    for group in groups:
         if group.decision is Decision.FOUND:
             for capture in group.captures:
-                values[capture.node] = None
+                if capture.node in table.position:
+                    values[capture.node] = None
     return sorted(values, key=table.position.__getitem__)
+
+
+def capture_twins(captures: Iterable[fx.Node], table: NodeTable) -> Dict[fx.Node, fx.Node]:
+    """For each of ``captures`` with a twin: the later of the two -> the earlier, the node
+    that computes their value once they are merged."""
+    merged: Dict[fx.Node, fx.Node] = {}
+    for capture in captures:
+        twin = twin_of(capture, table)
+        if twin is not None:
+            early, late = sorted((capture, twin), key=table.position.__getitem__)
+            merged[late] = early
+    return merged
 
 
 def _op_name(node: fx.Node) -> str:

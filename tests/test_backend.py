@@ -30,6 +30,7 @@ import models.llama  # noqa: E402
 from compile_pass import (  # noqa: E402
     AuxCaptureBackend,
     AuxCapturePass,
+    CaptureTwinsPass,
     Decision,
     PassResult,
     Producer,
@@ -356,27 +357,37 @@ def test_mode_and_inductor_options_reach_compile_fx(monkeypatch):
     mode_options = list_mode_options("max-autotune-no-cudagraphs")
     assert mode_options["max_autotune"] is True
 
-    def compile_and_pop_pass(backend, **kwargs):
+    def compile_and_pop_passes(backend, **kwargs):
         torch._dynamo.reset()
         out = torch.compile(_tiny_fn, backend=backend, **kwargs)(x)
         assert torch.equal(out, _tiny_fn(x))
-        return seen[-1].pop("post_grad_custom_post_pass", None)
+        return (seen[-1].pop("post_grad_custom_pre_pass", None),
+                seen[-1].pop("post_grad_custom_post_pass", None))
 
-    capture = compile_and_pop_pass("aux_capture", mode="max-autotune-no-cudagraphs")
+    # the pass runs on the Dynamo graph; Inductor gets the capture-twins pre pass only
+    pre, post = compile_and_pop_passes("aux_capture", mode="max-autotune-no-cudagraphs")
     assert seen[-1] == mode_options and not seen[-1].get("triton.cudagraphs", False)
-    assert isinstance(capture, AuxCapturePass) and capture.cost_model is True
+    assert isinstance(pre, CaptureTwinsPass) and post is None
 
     backend = aux_capture_backend(mode="max-autotune-no-cudagraphs", cost_model=False, epilogue_fusion=False)
-    capture = compile_and_pop_pass(backend)
+    pre, post = compile_and_pop_passes(backend)
     assert seen[-1] == {**mode_options, "epilogue_fusion": False}
-    assert isinstance(capture, AuxCapturePass) and capture.cost_model is False
-    assert capture.results is backend.results  # the backend sees what the post-grad pass did
+    assert isinstance(pre, CaptureTwinsPass) and post is None
+    assert pre.merges is backend.twin_merges  # the backend sees what the pre pass merged
+    assert backend.results and backend.results[-1].target == "dynamo_lifted"
 
-    assert compile_and_pop_pass("aux_capture") is not None and seen[-1] == {}  # default: no patches
+    pre, post = compile_and_pop_passes("aux_capture")
+    assert isinstance(pre, CaptureTwinsPass) and seen[-1] == {}  # default: no other patches
     # rewrite=False: Inductor exactly as without the backend
-    assert compile_and_pop_pass("aux_capture", options={"rewrite": False}) is None and seen[-1] == {}
+    assert compile_and_pop_passes("aux_capture", options={"rewrite": False}) == (None, None)
+    assert seen[-1] == {}
 
-    # a post-grad pass the user already set runs first, then the capture pass
+    # CUDA-graph modes keep the buffer inside the graph: the pass runs after AOTAutograd
+    pre, post = compile_and_pop_passes("aux_capture", mode="reduce-overhead")
+    assert isinstance(pre, CaptureTwinsPass) and isinstance(post, AuxCapturePass)
+
+    # a pre pass the user already set runs first, then the twins pass; a user's post pass
+    # is left to Inductor's config
     calls = []
 
     class UserPass(torch._inductor.custom_graph_pass.CustomGraphPass):
@@ -386,9 +397,9 @@ def test_mode_and_inductor_options_reach_compile_fx(monkeypatch):
         def uuid(self):
             return "user-pass"
 
-    with inductor_config.patch(post_grad_custom_post_pass=UserPass()):
-        chained = compile_and_pop_pass("aux_capture")
-    assert not isinstance(chained, AuxCapturePass) and chained.uuid() is not None
+    with inductor_config.patch(post_grad_custom_pre_pass=UserPass(), post_grad_custom_post_pass=UserPass()):
+        chained, post = compile_and_pop_passes("aux_capture")
+    assert post is None and not isinstance(chained, CaptureTwinsPass) and chained.uuid() is not None
     assert "user-pass" in str(chained.uuid())
     chained(torch.fx.Graph())
     assert calls == ["user"]
@@ -441,16 +452,16 @@ def test_inductor_forced_rewrite_fused_norm(fused_inductor_ref):
     with _no_graph_caches():
         out = torch.compile(model, backend=backend)(*inputs)
     _assert_bitwise(out, ref)
-    assert len(backend.results) == 1
-    result = backend.results[0]
-    # the pass runs on Inductor's post-grad graph
-    assert result.error is None and result.target == "post_grad"
+    result = backend.results[-1]
+    # the pass runs on the Dynamo graph, whose packed buffer then becomes a graph input
+    assert result.error is None and result.target == "dynamo_lifted"
     group = _aux_group(result, k)
-    assert group.decision is Decision.REWRITE and group.placement == "post_grad"
+    assert group.decision is Decision.REWRITE and group.placement == "dynamo_lifted"
     assert all(c.producer is Producer.CUSTOM_OP for c in group.captures)
     # a graph Inductor lowers next gets custom-op writes only, never out= writes
     assert all(c.strategy is Strategy.COPY for c in group.captures)
     assert result.code_after.count(WRITE_OP) == k and ".out(" not in result.code_after
+    assert result.lifted is not None and len(result.lifted) == 1
 
 
 @pytest.mark.inductor

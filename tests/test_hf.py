@@ -237,7 +237,10 @@ def test_inductor_bitwise_with_and_without_pass():
         backend = aux_capture_backend("inductor")
         with_pass = torch.compile(wrapper, backend=backend, fullgraph=True)(ids)
     _assert_bitwise(with_pass, without)
-    assert all(isinstance(r, PassResult) and r.target == "post_grad" for r in backend.results)
+    assert all(isinstance(r, PassResult) and r.target == "dynamo_lifted" for r in backend.results)
+    assert any(r.lifted is not None for r in backend.results)
     group = _aux_group(backend, wrapper.model.config.hidden_size)
     assert group.decision is Decision.REWRITE, group.reason
-    assert re.search(_REWRITTEN, group.reason), group.reason
+    # a lifted buffer is taken where the estimate drops or stays within one capture
+    assert re.search(_REWRITTEN, group.reason) or "within one capture" in group.reason, group.reason
+    assert "cost model is off" not in group.reason

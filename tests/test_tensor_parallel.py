@@ -68,7 +68,7 @@ SPLIT_CASES = [TPCase("split_eager", "eager", cost_model=False, split_ops=SPLIT_
                TPCase("split_aot_eager", "aot_eager", cost_model=False, split_ops=SPLIT_OPS)]
 INDUCTOR_CASES = [TPCase("inductor", "inductor", cost_model=True),
                   TPCase("inductor_no_pass", "inductor", rewrite=False)]
-PLACEMENT = {"eager": "dynamo", "aot_eager": "aot", "inductor": "post_grad"}
+PLACEMENT = {"eager": "dynamo", "aot_eager": "aot", "inductor": "dynamo_lifted"}
 
 _SPLIT_SUPPORTED = split_ops_supported()
 
@@ -123,8 +123,10 @@ def _assert_bitwise(out, ref, what: str) -> None:
 
 def _aux_group(case: CaseReport, rank: int) -> Dict:
     """The K-way aux concat's group (RoPE's 2-way concats are rejected groups of their own)."""
-    assert len(case.groups) == 1, f"rank {rank}: expected one graph (fullgraph), the pass ran on {len(case.groups)}"
-    groups = [g for g in case.groups[0] if g["k"] == K]
+    # fullgraph: one graph; a restarted Dynamo analysis (the inductor inner's pass runs on
+    # the Dynamo graph) reports it once per attempt, the last one compiled
+    assert case.groups, f"rank {rank}: the pass ran on no graph"
+    groups = [g for g in case.groups[-1] if g["k"] == K]
     assert len(groups) == 1, f"rank {rank}: K={K} groups {groups}"
     return groups[0]
 
@@ -273,8 +275,9 @@ def test_inductor_on_every_rank(inductor_runs, reference):
     with_pass = _cases(inductor_runs, "inductor")
     without = _cases(inductor_runs, "inductor_no_pass")
     for rep, case, base in zip(inductor_runs, with_pass, without):
-        assert case.targets == ["post_grad"] and base.targets == []
-        assert case.all_reduce_calls == [2 * NUM_LAYERS], case.all_reduce_calls
+        # a restarted Dynamo analysis runs the pass once per attempt
+        assert set(case.targets) == {"dynamo_lifted"} and base.targets == []
+        assert set(case.all_reduce_calls) == {2 * NUM_LAYERS}, case.all_reduce_calls
         group = _aux_group(case, rep.rank)
         assert group["decision"] == "rewrite", f"rank {rep.rank}: {group}"
         assert "cost model is off" not in group["reason"]  # Inductor's cost model accepts it
