@@ -25,7 +25,7 @@ boxed (``piecewise.PieceRunner``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -38,7 +38,6 @@ from compile_pass.split import SplitGraph, check_split_ops, split_graph
 
 if TYPE_CHECKING:
     from compile_pass.inductor_pass import AuxCapturePass
-    from compile_pass.lift import LiftedBuffers
     from compile_pass.twins import TwinMerge
 
 __all__ = ["AuxCaptureBackend", "aux_capture", "aux_capture_backend", "INNERS", "MODES"]
@@ -176,23 +175,31 @@ class AuxCaptureBackend:
         return bool(self._inductor_patches().get("triton.cudagraphs", inductor_config.triton.cudagraphs))
 
     def _compile_inductor_lifted(self, gm: fx.GraphModule, example_inputs: List[Any]) -> CompiledFn:
-        """The inductor inner: the Dynamo graph rewritten with its packed buffers lifted to
-        inputs this callable allocates (``lift.py``), then compiled by Inductor with
-        ``CaptureTwinsPass`` first. Captures that require grad cannot be written before
-        AOTAutograd: their groups are left for ``AuxCapturePass`` after it."""
-        from compile_pass.lift import WithLiftedBuffers
+        """The inductor inner: a working copy of the Dynamo graph rewritten with its packed
+        buffers lifted to inputs this callable allocates (``lift.py``), then compiled by
+        Inductor with ``CaptureTwinsPass`` first. Captures that require grad cannot be
+        written before AOTAutograd: their groups are left for ``AuxCapturePass`` after it.
+        If the pass fails, Dynamo's graph is compiled as it is."""
+        from compile_pass.lift import WithLiftedBuffers, copy_module
 
-        result = self._rewrite(gm, "dynamo_lifted", pack_outputs=self.pack_outputs)
-        after_aot = result is not None and any(
-            g.packed_value is not None and g.packed_value.requires_grad for g in result.groups)
-        if result is None:
+        if not self.rewrite:
             return self._compile_inductor(gm, example_inputs, rewrite_inside=False)
-        gm, lifted = _lift(gm, result)
+        work = copy_module(gm)
+        result = run_capture_pass(work, "dynamo_lifted", estimate=self._estimate,
+                                  cost_model=self.cost_model, pack_outputs=self.pack_outputs,
+                                  original=gm.graph)
+        self.results.append(result)
+        self._on_result(result, work.graph)
+        if result.error is not None:
+            return self._compile_inductor(gm, example_inputs, rewrite_inside=False)
+        after_aot = any(g.packed_value is not None and g.packed_value.requires_grad
+                        for g in result.groups)
+        lifted = result.lifted
         inputs = list(example_inputs)
         if lifted is not None:
-            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            placeholders = [n for n in work.graph.nodes if n.op == "placeholder"]
             inputs += [n.meta["example_value"] for n in placeholders[lifted.num_inputs:]]
-        compiled = self._compile_inductor(gm, inputs, rewrite_inside=after_aot)
+        compiled = self._compile_inductor(work, inputs, rewrite_inside=after_aot)
         return WithLiftedBuffers(compiled, lifted) if lifted is not None else compiled
 
     def _compile_piece(self, gm: fx.GraphModule, example_inputs: List[Any],
@@ -290,29 +297,6 @@ class AuxCaptureBackend:
             partition_fn=min_cut_rematerialization_partition,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
-
-
-def _lift(gm: fx.GraphModule, result: PassResult) -> Tuple[fx.GraphModule, Optional["LiftedBuffers"]]:
-    """``gm``'s packed buffers lifted to inputs (a new module), recorded in ``result``;
-    ``gm`` itself if there are none or they cannot be lifted (then said in ``result``)."""
-    import logging
-
-    from compile_pass.lift import LiftError, lift_packed_buffers
-
-    log = logging.getLogger("compile_pass")
-    try:
-        lifted_gm, lifted = lift_packed_buffers(gm)
-    except LiftError as e:
-        result.lift_note = f"packed buffers stay in the graph: {e}"
-        log.info("aux_capture[%s] %s", result.target, result.lift_note)
-        return gm, None
-    if lifted is not None:
-        result.lifted = lifted
-        counters["aux_capture"]["buffers_lifted"] += len(lifted)
-        for spec in lifted.buffers:
-            log.info("aux_capture[%s] lifted %s: allocated by the caller of the compiled graph",
-                     result.target, spec.describe())
-    return lifted_gm, lifted
 
 
 def _inputs_as_given(args: List[Any]) -> List[Any]:

@@ -20,14 +20,14 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 from compile_pass.cost import changed_span, inductor_computes_into, inductor_shared_storages, planned_peak
-from compile_pass.dataflow import NodeTable, copy_graph
+from compile_pass.dataflow import NodeTable, copy_graph, gc_paused, nbytes, tensor_value
 from compile_pass.find import LAYER_DEPTH, find_capture_groups, find_output_groups
 from compile_pass.groups import CaptureGroup, Decision, GroupKind, summarize
-from compile_pass.lift import LiftedBuffers
+from compile_pass.lift import LiftedBuffers, LiftError, lift_packed_buffers
 from compile_pass.liveness import LivenessModel, MemoryTimeline
 from compile_pass.twins import capture_twins, capture_values
 from compile_pass.plan import GraphFacts, plan_group
-from compile_pass.rewrite import RewriteError, rewrite_group
+from compile_pass.rewrite import RewriteError, check_rewrite, rewrite_group
 
 __all__ = ["Target", "PassResult", "run_capture_pass", "rewrite_graph", "TARGETS"]
 
@@ -40,10 +40,10 @@ class Target:
     ``runs_as_is``: the graph is executed node by node afterwards (no functionalization),
     so ``out=`` recomputation into a slice is safe. ``inductor_cost``: estimate peaks the
     way Inductor runs a concat (pointwise and mm producers computed into its output).
-    ``lift``: the backend then makes packed buffers graph inputs that the compiled
-    callable's caller allocates (``lift.py``), so the estimate allocates them before the
-    graph runs; the graph goes to Inductor, which merges capture twins first
-    (``twins.py``), so the estimates merge them too.
+    ``lift``: packed buffers become graph inputs that the compiled callable's caller
+    allocates (``lift.py``), so the estimate allocates them before the graph runs; the
+    graph goes to Inductor, which merges capture twins first (``twins.py``), so the
+    estimates merge them too.
     """
 
     name: str
@@ -52,6 +52,9 @@ class Target:
     autograd_free: bool = False  # the graph runs with autograd already handled (AOT, post-grad)
     hoist: bool = False  # functional graph a scheduler reordered: move producers up (plan.py)
     lift: bool = False
+    #: the graph is the backend's own working copy, discarded if the pass fails: groups are
+    #: rewritten in it directly after ``rewrite.check_rewrite``, without a trial copy each
+    works_on_copy: bool = False
 
 
 TARGETS: Dict[str, Target] = {
@@ -64,7 +67,8 @@ TARGETS: Dict[str, Target] = {
     "post_grad": Target("post_grad", runs_as_is=False, inductor_cost=True, autograd_free=True,
                         hoist=True),
     # the inductor inner: the Dynamo graph, buffers lifted to inputs, then AOT and Inductor
-    "dynamo_lifted": Target("dynamo_lifted", runs_as_is=False, inductor_cost=True, lift=True),
+    "dynamo_lifted": Target("dynamo_lifted", runs_as_is=False, inductor_cost=True, lift=True,
+                            works_on_copy=True),
 }
 
 
@@ -84,10 +88,13 @@ class PassResult:
     _code_after: Optional[str]
     timeline_before: Optional[MemoryTimeline] = None
     timeline_after: Optional[MemoryTimeline] = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # the pass's own time: find, plan, price, rewrite, lift
+    #: regenerating a changed module's Python code after the pass (``gm.recompile()``), which
+    #: running or compiling the rewritten module needs in any case
+    codegen_seconds: float = 0.0
     error: Optional[str] = None
     counts: Dict[str, int] = field(default_factory=dict)
-    #: packed buffers the backend made graph inputs (``Target.lift``): the caller allocates them
+    #: packed buffers made graph inputs (``Target.lift``): the compiled graph's caller allocates them
     lifted: Optional[LiftedBuffers] = None
     lift_note: str = ""  # why packed buffers stayed in the graph, if they did
     _unchanged_graph: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
@@ -118,15 +125,17 @@ class PassResult:
 
 def _liveness(graph: fx.Graph, target: Target, except_cat: Optional[fx.Node] = None,
               table: Optional[NodeTable] = None,
-              twins: Optional[Mapping[fx.Node, fx.Node]] = None) -> LivenessModel:
+              twins: Optional[Mapping[fx.Node, fx.Node]] = None,
+              groups: Optional[Sequence[CaptureGroup]] = None) -> LivenessModel:
     """The liveness model of ``graph`` as ``target``'s compiler runs it. ``twins``: the
-    graph's capture twins if known (lifted targets merge them; found here otherwise)."""
+    graph's capture twins if known (lifted targets merge them; found here otherwise);
+    ``groups``: its groups as found, if at hand."""
     if not target.inductor_cost:
         return LivenessModel(graph, table=table)
     table = NodeTable.of(graph, table)
     if target.lift and twins is None:
         twins = capture_twins(capture_values(graph, table), table)
-    shared = inductor_shared_storages(table, twins if target.lift else None, except_cat)
+    shared = inductor_shared_storages(table, twins if target.lift else None, except_cat, groups)
     return LivenessModel(graph, shared, table=table)
 
 
@@ -144,9 +153,10 @@ class _GraphState:
                  groups: Sequence[CaptureGroup]) -> None:
         self.gm, self.target, self.table = gm, target, table
         self.facts = GraphFacts(gm.graph, table)
+        self.groups = groups
         self.twins = capture_twins(capture_values(gm.graph, table, groups), table) \
             if target.lift else {}
-        self.liveness = _liveness(gm.graph, target, table=table, twins=self.twins)
+        self.liveness = _liveness(gm.graph, target, table=table, twins=self.twins, groups=groups)
         self.peak = self.liveness.peak()
 
 
@@ -159,6 +169,11 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
         group.reject("the captures require grad: in-place writes into a buffer have no autograd "
                      "formula here; under autograd use inner aot_eager or inductor (rewritten "
                      "after AOTAutograd), or capture under torch.no_grad()")
+        return False
+    if target.lift and group.depth_span < LAYER_DEPTH:
+        group.reject(f"its values are {group.depth_span} matmul(s) apart, within one layer "
+                     f"(MLA's k = [k_nope, k_rope]): the model's own concat, left to Inductor, "
+                     f"which computes its inputs into it")
         return False
     plan_group(group, state.facts, target.runs_as_is, hoist=target.hoist)
     if group.decision is Decision.REJECT:
@@ -195,7 +210,8 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
         if target.lift and _lifted_buffer_cannot_pay(state, group):
             return False
         after_model = _liveness(state.gm.graph, target, except_cat=group.cat, table=state.table,
-                                twins=state.twins) if target.inductor_cost else state.liveness
+                                twins=state.twins, groups=state.groups) \
+            if target.inductor_cost else state.liveness
         after = planned_peak(after_model, group, buffer_born=0 if target.lift else None)
     group.estimated_peak_before, group.estimated_peak_after = before, after
     slack = _lift_slack(group) if target.lift else 0
@@ -209,7 +225,7 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
                     f"into the concat output")
         group.reject(why)
         return False
-    if trial is None and _trial_rewrite(state.gm.graph, group)[0] is None:
+    if trial is None and not _rewrite_fits(state, group):
         return False
     group.decision = Decision.REWRITE
     group.reason = f"estimated peak {_mib(before)} -> {_mib(after)} ({(after - before) / before:+.0%})"
@@ -281,6 +297,20 @@ def _trial_rewrite(graph: fx.Graph, group: CaptureGroup) -> Tuple[Optional[fx.Gr
     return trial, buffer  # any other exception is a pass error (run_capture_pass logs it)
 
 
+def _rewrite_fits(state: _GraphState, group: CaptureGroup) -> bool:
+    """Whether the planned rewrite can be expressed on the graph (else ``group`` is
+    rejected): checked on the graph itself where it is a working copy, else by a trial
+    rewrite of a copy of it."""
+    if not state.target.works_on_copy:
+        return _trial_rewrite(state.gm.graph, group)[0] is not None
+    try:
+        check_rewrite(state.gm.graph, group)
+    except RewriteError as e:
+        group.reject(str(e))
+        return False
+    return True
+
+
 def _lifted_peak(model: LivenessModel, buffer: fx.Node) -> int:
     """Peak of a rewritten graph whose ``buffer`` is allocated before the graph runs."""
     key = model.keys_of[buffer][0]
@@ -307,7 +337,8 @@ def _find_groups(gm: fx.GraphModule, table: NodeTable, concat: bool,
 
 def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
                      estimate: bool = False, cost_model: bool = True,
-                     pack_outputs: bool = False, concat: bool = True) -> PassResult:
+                     pack_outputs: bool = False, concat: bool = True,
+                     original: Optional[fx.Graph] = None) -> PassResult:
     """Rewrite every accepted capture group of ``gm`` (in place); never raises.
 
     ``estimate=True`` also records whole-graph memory timelines before and after, for the
@@ -315,16 +346,23 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
     the estimate says (for tests and for measuring what the estimate predicts).
     ``concat``: rewrite concats of captures; ``pack_outputs``: also make captures the
     graph returns adjacent slices of one buffer (``find_output_groups``).
+    ``original``: an unchanged copy of ``gm``'s graph, which the code before is read from
+    (``Target.works_on_copy``: ``gm`` is the caller's working copy of it).
     """
-    if isinstance(target, str):
-        target = TARGETS[target]
+    with gc_paused():
+        return _run_capture_pass(gm, TARGETS[target] if isinstance(target, str) else target,
+                                 estimate, cost_model, pack_outputs, concat, original)
+
+
+def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_model: bool,
+                      pack_outputs: bool, concat: bool, original: Optional[fx.Graph]) -> PassResult:
     start = time.perf_counter()
     # the graph's own code, not gm.code: earlier passes (Inductor's) may not have recompiled;
-    # generated now only for graphs something edits after the pass, else before the first
-    # rewrite or on first read
-    code_before = None if target.runs_as_is else gm.graph.python_code("self").src
-    result = PassResult(target.name, [], code_before, None,
-                        _unchanged_graph=gm.graph if target.runs_as_is else None)
+    # generated now only for graphs something edits after the pass and nothing keeps a copy
+    # of, else before the first rewrite or on first read
+    unchanged = original if original is not None else gm.graph if target.runs_as_is else None
+    code_before = None if unchanged is not None else gm.graph.python_code("self").src
+    result = PassResult(target.name, [], code_before, None, _unchanged_graph=unchanged)
     try:
         table = NodeTable(gm.graph)
         if estimate:
@@ -343,34 +381,71 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
             state = state or _GraphState(gm, target, table, groups)
             if not _decide(state, group, cost_model):
                 continue
-            # the trial on a copy succeeded: the same rewrite on the graph itself
-            _ = result.code_before  # generate the text before the graph's first change
+            # the trial on a copy (or the check) succeeded: the rewrite on the graph itself
+            if original is None:
+                _ = result.code_before  # generate the text before the graph's first change
             rewrite_group(gm.graph, group)
             state, graph_changed = None, True
             # the rewrite replaced nodes: find the remaining groups again on the new graph
-            table = NodeTable(gm.graph)
-            remaining = {g.key for g in groups[i:]}
-            groups = groups[:i] + [g for g in _find_groups(gm, table, concat, pack_outputs)
-                                   if g.key in remaining]
+            remaining = {g.key for g in groups[i:] if g.decision is Decision.FOUND}
+            if remaining:
+                table = NodeTable(gm.graph)
+                groups = groups[:i] + [g for g in _find_groups(gm, table, concat, pack_outputs)
+                                       if g.key in remaining]
+            else:
+                groups = groups[:i] + [g for g in groups[i:]]
+        if target.lift:
+            graph_changed |= _lift_buffers(gm, result)
         if graph_changed:
-            gm.recompile()
+            codegen = time.perf_counter()
+            gm.recompile()  # the rewritten module's code, which compiling it needs anyway
             result.code_after = gm.code
+            result.codegen_seconds = time.perf_counter() - codegen
         if estimate:
             result.timeline_after = _liveness(gm.graph, target).timeline()
+            if result.lifted is not None:  # allocated by the caller, before the graph runs
+                result.timeline_after = result.timeline_after.plus(_lifted_bytes(gm, result.lifted))
     except Exception as e:  # noqa: BLE001 - the pass must never break a compile
         result.error = f"{type(e).__name__}: {e}"
         gm.recompile()
         result.code_after = gm.code
         if result.code_after == result.code_before:
             log.warning("aux_capture pass failed, graph left unchanged: %s", result.error)
+        elif target.works_on_copy:
+            log.warning("aux_capture pass failed, the graph is compiled without it: %s", result.error)
         else:
             log.warning("aux_capture pass failed after completing some rewrites: %s", result.error)
         counters["aux_capture"]["pass_errors"] += 1
         return result
     finally:
-        result.seconds = time.perf_counter() - start
+        result.seconds = time.perf_counter() - start - result.codegen_seconds
     _record(result)
     return result
+
+
+def _lifted_bytes(gm: fx.GraphModule, lifted: LiftedBuffers) -> int:
+    """Bytes of ``gm``'s lifted buffers at the example sizes."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return sum(nbytes(tensor_value(n)) for n in placeholders[lifted.num_inputs:])
+
+
+def _lift_buffers(gm: fx.GraphModule, result: PassResult) -> bool:
+    """Lift ``gm``'s packed buffers (rewritten groups' and packers') to graph inputs, in
+    place, recorded in ``result``; True if the graph changed. A buffer that cannot be
+    lifted stays in the graph (``result.lift_note`` says why)."""
+    try:
+        result.lifted = lift_packed_buffers(gm)
+    except LiftError as e:
+        result.lift_note = f"packed buffers stay in the graph: {e}"
+        log.info("aux_capture[%s] %s", result.target, result.lift_note)
+        return False
+    if result.lifted is None:
+        return False
+    counters["aux_capture"]["buffers_lifted"] += len(result.lifted)
+    for spec in result.lifted.buffers:
+        log.info("aux_capture[%s] lifted %s: allocated by the caller of the compiled graph",
+                 result.target, spec.describe())
+    return True
 
 
 def rewrite_graph(gm: fx.GraphModule, *, split_ops: Sequence[str] = (), pack_outputs: bool = False,

@@ -18,13 +18,13 @@ copy of the graph instead (``capture_pass._decide``).
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, Mapping, Optional, Tuple
+from typing import Dict, Hashable, Mapping, Optional, Sequence, Tuple
 
 import torch.fx as fx
 
 from compile_pass.dataflow import NodeTable, is_cat
 from compile_pass.find import classify_producer
-from compile_pass.groups import Capture, CaptureGroup, Producer, Strategy
+from compile_pass.groups import Capture, CaptureGroup, GroupKind, Producer, Strategy
 from compile_pass.liveness import Interval, LivenessModel
 
 __all__ = ["write_time", "planned_changes", "planned_peak", "changed_span",
@@ -46,26 +46,37 @@ def inductor_computes_into(producer: fx.Node, table: Optional[NodeTable] = None)
 
 
 def inductor_shared_storages(table: NodeTable, twins: Optional[Mapping[fx.Node, fx.Node]] = None,
-                             except_cat: Optional[fx.Node] = None) -> Dict[fx.Node, fx.Node]:
+                             except_cat: Optional[fx.Node] = None,
+                             groups: Optional[Sequence[CaptureGroup]] = None) -> Dict[fx.Node, fx.Node]:
     """Values that hold another value's storage once Inductor has compiled ``table``'s
     graph: node -> the node whose storage it holds (``LivenessModel``'s ``computed_into``).
 
     - ``twins``: captures merged with their twins before Inductor's pattern passes
       (``twins.capture_twins``: the later of a pair -> the earlier) are one value;
     - every concat input (but ``except_cat``'s) that Inductor computes into its concat
-      (``inductor_computes_into``), after twins are merged.
+      (``inductor_computes_into``), after twins are merged. ``groups``: the graph's
+      concat groups as found, whose captures' producers are read instead of classified
+      again (concats of fewer than two inputs, which have no group, are left out).
     """
     shared: Dict[fx.Node, fx.Node] = dict(twins or {})
-    for node in table.nodes:
-        if node is except_cat or not is_cat(node) or not node.args \
-                or not isinstance(node.args[0], (list, tuple)):
+    if groups is not None:
+        inputs = [(g.cat, [(c.node, c.producer) for c in g.captures])
+                  for g in groups if g.kind is GroupKind.CONCAT]
+    else:
+        inputs = [(node, [(a, None) for a in node.args[0] if isinstance(a, fx.Node)])
+                  for node in table.nodes
+                  if is_cat(node) and node.args and isinstance(node.args[0], (list, tuple))]
+    for cat, args in inputs:
+        if cat is except_cat:
             continue
-        for arg in node.args[0]:
-            if not isinstance(arg, fx.Node):
-                continue
+        for arg, producer in args:
             value = shared.get(arg, arg)
-            if value not in shared and inductor_computes_into(value, table):
-                shared[value] = node
+            if value in shared:
+                continue
+            if producer is None:
+                producer = classify_producer(value, table)
+            if producer in INDUCTOR_COMPUTES_INTO_CAT:
+                shared[value] = cat
     for node, holder in list(shared.items()):  # a twin merged into a value computed into a cat
         while holder in shared:
             holder = shared[holder]

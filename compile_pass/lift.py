@@ -9,9 +9,10 @@ freed buffers be held across opaque kernels whose temporaries the estimate canno
 (an attention op's): measured, a 3-capture Llama paid 1.33x-2.00x the packed bytes with
 the buffer in the graph and 1.00x with it passed in (docs/benchmarks.md).
 
-``lift_packed_buffers(gm)`` returns a copy of ``gm`` in which each buffer node is a new
-trailing graph input, and ``LiftedBuffers``, which allocates them from a call's arguments
-(the buffer's symbolic sizes are read off the inputs that carry those symbols). Invariant: the
+``lift_packed_buffers(gm)`` makes each buffer node a new trailing graph input of ``gm`` (a
+backend's working copy of Dynamo's graph, ``copy_module``) and returns ``LiftedBuffers``,
+which allocates them from a call's arguments (the buffer's symbolic sizes are read off the
+inputs that carry those symbols). Invariant: the
 lifted graph called with freshly allocated buffers computes exactly what the graph
 computed with its own ``empty`` (the contents of an uninitialized buffer are undefined
 either way, and nothing else aliases a fresh tensor).
@@ -29,7 +30,7 @@ import torch.fx as fx
 import compile_pass.ops  # noqa: F401  (registers compile_pass::write_slice_)
 from compile_pass.dataflow import copy_graph, tensor_value
 
-__all__ = ["LiftError", "LiftedBuffer", "LiftedBuffers", "find_packed_buffers",
+__all__ = ["LiftError", "LiftedBuffer", "LiftedBuffers", "copy_module", "find_packed_buffers",
            "lift_packed_buffers", "WithLiftedBuffers"]
 
 _WRITES = (torch.ops.compile_pass.write_slice_.default, torch.ops.compile_pass.write_slice_)
@@ -166,9 +167,10 @@ def _buffer_spec(node: fx.Node, name: str, sources: Dict[sympy.Symbol, SizeSourc
                         tuple(sorted(needed.items(), key=lambda item: item[0].name)))
 
 
-def _copy_module(gm: fx.GraphModule) -> Tuple[fx.GraphModule, Dict[fx.Node, fx.Node]]:
+def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new module over a node-for-node copy of ``gm``'s graph: same submodules and
-    parameters, same module and node metadata (the Dynamo graph ``gm`` stays Dynamo's)."""
+    parameters, same module and node metadata (a backend's working copy of Dynamo's graph,
+    which stays Dynamo's)."""
     graph, node_map = copy_graph(gm.graph)
     for old, new in node_map.items():
         if hasattr(old, "_dynamo_source"):
@@ -178,25 +180,24 @@ def _copy_module(gm: fx.GraphModule) -> Tuple[fx.GraphModule, Dict[fx.Node, fx.N
     for attr in ("_param_name_to_source",):
         if hasattr(gm, attr):
             setattr(copy, attr, getattr(gm, attr))
-    return copy, node_map
+    return copy
 
 
-def lift_packed_buffers(gm: fx.GraphModule) -> Tuple[fx.GraphModule, Optional[LiftedBuffers]]:
-    """``gm`` with each packed buffer (``find_packed_buffers``) made a trailing graph
-    input, as a new module (``gm`` is not changed), and how to allocate them per call;
-    ``(gm, None)`` if it has none. Raises ``LiftError`` if one cannot be lifted."""
-    buffers = find_packed_buffers(gm.graph)
+def lift_packed_buffers(gm: fx.GraphModule) -> Optional[LiftedBuffers]:
+    """Make each packed buffer of ``gm`` (``find_packed_buffers``) a trailing graph input,
+    in place (call it on a working copy: Dynamo keeps its own graph's inputs), and return
+    how to allocate them per call; None if it has none. Raises ``LiftError`` (graph
+    unchanged) if one cannot be lifted."""
+    graph = gm.graph
+    buffers = find_packed_buffers(graph)
     if not buffers:
-        return gm, None
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        return None
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     sources = _size_sources(placeholders)
     specs = [_buffer_spec(node, f"{node.name}_input", sources) for node in buffers]
-    lifted, node_map = _copy_module(gm)
-    graph = lifted.graph
     meta_key = "val" if "val" in buffers[0].meta else "example_value"
-    last = node_map[placeholders[-1]] if placeholders else None
-    for old, spec in zip(buffers, specs):
-        node = node_map[old]
+    last = placeholders[-1] if placeholders else None
+    for node, spec in zip(buffers, specs):
         if last is None:
             with graph.inserting_before(next(iter(graph.nodes))):
                 placeholder = graph.placeholder(spec.name)
@@ -213,5 +214,4 @@ def lift_packed_buffers(gm: fx.GraphModule) -> Tuple[fx.GraphModule, Optional[Li
         node.replace_all_uses_with(placeholder)
         graph.erase_node(node)
         last = placeholder
-    lifted.recompile()
-    return lifted, LiftedBuffers(tuple(specs), len(placeholders))
+    return LiftedBuffers(tuple(specs), len(placeholders))

@@ -42,6 +42,12 @@ class MemoryTimeline:
     peak_bytes: int
     peak_node: Optional[str]
 
+    def plus(self, extra: int) -> "MemoryTimeline":
+        """The same timeline with ``extra`` bytes live throughout (a buffer allocated
+        before the graph runs)."""
+        return MemoryTimeline(self.node_names, [b + extra for b in self.live_bytes],
+                              self.peak_bytes + extra, self.peak_node)
+
     def to_dict(self) -> Dict[str, Any]:
         return {
             "peak_bytes": self.peak_bytes,

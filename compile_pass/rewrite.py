@@ -12,7 +12,7 @@ liveness estimates and later passes see the rewritten graph as they saw the orig
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
@@ -22,7 +22,7 @@ from compile_pass.dataflow import tensor_value
 from compile_pass.find import exact_out_variant
 from compile_pass.groups import Capture, CaptureGroup, GroupKind, Strategy
 
-__all__ = ["RewriteError", "rewrite_group", "BUFFER_NAME"]
+__all__ = ["RewriteError", "check_rewrite", "rewrite_group", "BUFFER_NAME"]
 
 BUFFER_NAME = "aux_packed"
 _WRITE = torch.ops.compile_pass.write_slice_.default
@@ -63,18 +63,23 @@ class _Emitter:
             return fn(*args)
 
 
-def _size_args(group: CaptureGroup, order: List[fx.Node], stop: int, emit: _Emitter) -> List[Any]:
-    """The packed shape as graph values available before position ``stop``."""
+SizeSource = Union[int, fx.Node, Tuple[fx.Node, int]]
+
+
+def _size_sources(group: CaptureGroup, order: List[fx.Node], stop: int, meta_key: str) -> List[SizeSource]:
+    """Where each size of the packed shape comes from among the nodes before position
+    ``stop``: an int, a SymInt node, or (tensor node, dim). Raises ``RewriteError`` if a
+    symbolic size has no such source."""
     shape = group.packed_value.shape
-    sizes: List[Any] = []
+    sizes: List[SizeSource] = []
     for d, size in enumerate(shape):
         if not isinstance(size, torch.SymInt) or size.node.expr.is_number:
             sizes.append(int(size))
             continue
         expr = size.node.expr
-        source: Any = None
+        source: Optional[SizeSource] = None
         for node in order[:stop]:
-            value = node.meta.get(emit.meta_key)
+            value = node.meta.get(meta_key)
             if isinstance(value, torch.SymInt) and value.node.expr == expr:
                 source = node
                 break
@@ -82,12 +87,47 @@ def _size_args(group: CaptureGroup, order: List[fx.Node], stop: int, emit: _Emit
                 dims = [i for i, s in enumerate(value.shape)
                         if isinstance(s, torch.SymInt) and s.node.expr == expr]
                 if dims:
-                    source = emit.node(_SYM_SIZE, (node, dims[0]), {}, size)
+                    source = (node, dims[0])
                     break
         if source is None:
             raise RewriteError(f"no value for size {expr} of dim {d} exists before the first capture")
         sizes.append(source)
     return sizes
+
+
+def _size_args(group: CaptureGroup, order: List[fx.Node], stop: int, emit: _Emitter) -> List[Any]:
+    """The packed shape as graph values available before position ``stop``."""
+    shape = group.packed_value.shape
+    sizes: List[Any] = []
+    for d, source in enumerate(_size_sources(group, order, stop, emit.meta_key)):
+        if isinstance(source, tuple):
+            node, dim = source
+            source = emit.node(_SYM_SIZE, (node, dim), {}, shape[d])
+        sizes.append(source)
+    return sizes
+
+
+def _placed(group: CaptureGroup, position: Dict[fx.Node, int]) -> List[Capture]:
+    """The captures written at a point of the graph, in the order their writes go in."""
+    return sorted((c for c in group.captures if c.write_after is not None),
+                  key=lambda c: (position[_insertion(c)[0]], not _insertion(c)[1]))
+
+
+def check_rewrite(graph: fx.Graph, group: CaptureGroup) -> None:
+    """Raise ``RewriteError`` if ``rewrite_group`` could not express the planned ``group`` on
+    ``graph``; change nothing. After it passes, ``rewrite_group`` raises no RewriteError
+    (a plan that hoists producers is checked by a trial rewrite instead)."""
+    order = list(graph.nodes)
+    position = {n: i for i, n in enumerate(order)}
+    placed = _placed(group, position)
+    if not placed:
+        raise RewriteError("no capture is written at a point of the graph")
+    anchor, before = _insertion(placed[0])
+    meta_key = "val" if "val" in group.captures[0].node.meta else "example_value"
+    _size_sources(group, order, position[anchor] + (0 if before else 1), meta_key)
+    for capture in placed:
+        if capture.strategy is Strategy.COMPUTE_INTO and exact_out_variant(capture.node) is None:
+            raise RewriteError(f"{capture.node.name} has no out= variant")
 
 
 def _insertion(capture: Capture) -> Tuple[fx.Node, bool]:
@@ -128,10 +168,7 @@ def rewrite_group(graph: fx.Graph, group: CaptureGroup) -> fx.Node:
     cat_value = group.packed_value
     dim = group.dim
 
-    placed = sorted(
-        (c for c in group.captures if c.write_after is not None),
-        key=lambda c: (position[_insertion(c)[0]], not _insertion(c)[1]),
-    )
+    placed = _placed(group, position)
     inputs = [c for c in group.captures if c.write_after is None]
     after_cursor: Dict[fx.Node, fx.Node] = {}  # anchor -> last node inserted after it
     buffer: Optional[fx.Node] = None

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 import compile_pass.ops  # noqa: F401  (registers compile_pass::write_slice_)
-from compile_pass.dataflow import NodeTable, source_line
+from compile_pass.dataflow import NodeTable, gc_paused, source_line
 
 if TYPE_CHECKING:
     from compile_pass.groups import CaptureGroup
@@ -164,23 +164,48 @@ def _op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", None) or str(target)
 
 
+def _candidates(table: NodeTable) -> Dict[fx.Node, None]:
+    """Values that may be captures, in graph order: ``write_slice_`` sources, concat
+    inputs and returned values (a cheap superset of ``capture_values``)."""
+    from compile_pass.dataflow import is_cat
+
+    found: Dict[fx.Node, None] = {}
+    for node in table.nodes:
+        src = _write_source(node)
+        if src is not None:
+            found[src] = None
+        elif is_cat(node) and node.args and isinstance(node.args[0], (list, tuple)):
+            found.update((a, None) for a in node.args[0] if isinstance(a, fx.Node))
+        elif node.op == "output":
+            found.update((a, None) for a in node.all_input_nodes)
+    return found
+
+
 def merge_capture_twins(graph: fx.Graph) -> List[TwinMerge]:
-    """Merge every capture with its twin (see the module docstring); return the merges."""
-    merges: List[TwinMerge] = []
-    table = NodeTable(graph)
-    dropped: Set[fx.Node] = set()
-    for capture in capture_values(graph, table):
-        if capture in dropped:
-            continue
-        twin = twin_of(capture, table)
-        while twin is not None:
-            keep, drop = (twin, capture) if table.position[twin] < table.position[capture] \
-                else (capture, twin)
-            merges.append(TwinMerge(keep.name, drop.name, _op_name(keep), source_line(capture)))
-            drop.replace_all_uses_with(keep)
-            graph.erase_node(drop)
-            dropped.add(drop)
-            table = NodeTable(graph)
-            capture = keep
+    """Merge every capture with its twin (see the module docstring); return the merges.
+
+    Cheap where nothing is merged: the capture groups are found only if some concat input
+    or returned value has a twin."""
+    with gc_paused():
+        table = NodeTable(graph)
+        candidates = [n for n in _candidates(table) if twin_of(n, table) is not None]
+        if not candidates:
+            return []
+        captures = set(capture_values(graph, table))
+        merges: List[TwinMerge] = []
+        dropped: Set[fx.Node] = set()
+        for capture in candidates:
+            if capture in dropped or capture not in captures:
+                continue
             twin = twin_of(capture, table)
-    return merges
+            while twin is not None:
+                keep, drop = (twin, capture) if table.position[twin] < table.position[capture] \
+                    else (capture, twin)
+                merges.append(TwinMerge(keep.name, drop.name, _op_name(keep), source_line(capture)))
+                drop.replace_all_uses_with(keep)
+                graph.erase_node(drop)
+                dropped.add(drop)
+                table = NodeTable(graph)
+                capture = keep
+                twin = twin_of(capture, table)
+        return merges
