@@ -29,7 +29,7 @@ from compile_pass.twins import capture_twins, capture_values
 from compile_pass.plan import GraphFacts, plan_group
 from compile_pass.rewrite import RewriteError, check_rewrite, rewrite_group
 
-__all__ = ["Target", "PassResult", "run_capture_pass", "rewrite_graph", "TARGETS"]
+__all__ = ["Target", "PassResult", "run_capture_pass", "rewrite_graph", "TARGETS", "CODE_NOT_KEPT"]
 
 log = logging.getLogger("compile_pass")
 
@@ -72,14 +72,22 @@ TARGETS: Dict[str, Target] = {
 }
 
 
+#: ``PassResult.code_before`` / ``code_after`` of a graph whose code was not kept
+CODE_NOT_KEPT = ("# the graph's code was not kept: the pass left it unchanged and a compiler edits "
+                 "it next (run with estimate=True, as the diff tool does, to keep it)\n")
+
+
 @dataclass
 class PassResult:
     """What one run of the pass did to one graph.
 
-    ``code_before`` / ``code_after`` are the graph's code before and after the pass. Where
-    the pass leaves a graph unchanged and the graph then runs as is (nothing edits it
-    later), the text is generated on first read: for a 7000-node graph that costs about as
-    much as the pass itself.
+    ``code_before`` / ``code_after`` are the graph's code before and after the pass. The
+    text costs about as much as the pass itself on a 7000-node graph, so it is generated
+    only when needed: before the pass's first change, on first read from an unchanged graph
+    that nothing edits later (a graph that runs as is, or a copy kept by the caller), and
+    with ``estimate=True`` (the diff tool). Otherwise, for a graph the pass leaves unchanged
+    and a compiler edits next (Inductor's post-grad graph), it is not kept: both read
+    ``CODE_NOT_KEPT``.
     """
 
     target: str
@@ -102,9 +110,18 @@ class PassResult:
     @property
     def code_before(self) -> str:
         if self._code_before is None:
+            if self._unchanged_graph is None:
+                return CODE_NOT_KEPT
             self._code_before = self._unchanged_graph.python_code("self").src
             self._unchanged_graph = None
         return self._code_before
+
+    def keep_code_before(self, graph: fx.Graph) -> None:
+        """Generate the code before now, from ``graph`` (about to change) unless an
+        unchanged graph is kept to read it from."""
+        if self._code_before is None and self._unchanged_graph in (None, graph):
+            self._code_before = graph.python_code("self").src
+            self._unchanged_graph = None
 
     @code_before.setter
     def code_before(self, code: str) -> None:
@@ -190,9 +207,9 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
         trial_model = _liveness(trial, target)
         after = _lifted_peak(trial_model, buffer) if target.lift else trial_model.peak()
     elif target.hoist:
-        # hoisting moves producers and shortens their inputs' lives: price the rewritten
-        # copy itself rather than the original graph's intervals, unless the peak is
-        # reached where the rewrite changes nothing (then it cannot drop: no copy needed)
+        # hoisting moves producers and shortens their inputs' lives (``planned_changes``
+        # prices that); where the peak is reached outside what the rewrite changes it
+        # cannot drop, and nothing more is priced
         span = changed_span(state.liveness, group) if cost_model else None
         if span is not None and state.liveness.max_outside(*span) >= before:
             group.estimated_peak_before, group.estimated_peak_after = before, before
@@ -200,10 +217,10 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
                          f"{_mib(before)}): it is reached outside {_span_names(state.liveness, span)}, "
                          f"where the rewrite changes nothing")
             return False
-        trial, _ = _trial_rewrite(state.gm.graph, group)
-        if trial is None:
-            return False
-        after = _liveness(trial, target).peak()
+        after_model = _liveness(state.gm.graph, target, except_cat=group.cat, table=state.table,
+                                twins=state.twins, groups=state.groups) \
+            if target.inductor_cost else state.liveness
+        after = planned_peak(after_model, group)
     else:
         # under Inductor's cost model the rewritten group's producers are no longer fused
         # into its concat, so they are priced on a model without that fusion
@@ -357,19 +374,18 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
 def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_model: bool,
                       pack_outputs: bool, concat: bool, original: Optional[fx.Graph]) -> PassResult:
     start = time.perf_counter()
-    # the graph's own code, not gm.code: earlier passes (Inductor's) may not have recompiled;
-    # generated now only for graphs something edits after the pass and nothing keeps a copy
-    # of, else before the first rewrite or on first read
+    # the graph's own code, not gm.code: earlier passes (Inductor's) may not have recompiled
     unchanged = original if original is not None else gm.graph if target.runs_as_is else None
-    code_before = None if unchanged is not None else gm.graph.python_code("self").src
-    result = PassResult(target.name, [], code_before, None, _unchanged_graph=unchanged)
+    result = PassResult(target.name, [], None, None, _unchanged_graph=unchanged)
+    if estimate:
+        result.keep_code_before(gm.graph)
+    graph_changed = False
     try:
         table = NodeTable(gm.graph)
         if estimate:
             result.timeline_before = _liveness(gm.graph, target, table=table).timeline()
         groups = _find_groups(gm, table, concat, pack_outputs)
         state: Optional[_GraphState] = None
-        graph_changed = False
         i = 0
         while i < len(groups):
             group = groups[i]
@@ -382,8 +398,7 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
             if not _decide(state, group, cost_model):
                 continue
             # the trial on a copy (or the check) succeeded: the rewrite on the graph itself
-            if original is None:
-                _ = result.code_before  # generate the text before the graph's first change
+            result.keep_code_before(gm.graph)  # the text before the graph's first change
             rewrite_group(gm.graph, group)
             state, graph_changed = None, True
             # the rewrite replaced nodes: find the remaining groups again on the new graph
@@ -395,6 +410,7 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
             else:
                 groups = groups[:i] + [g for g in groups[i:]]
         if target.lift:
+            result.keep_code_before(gm.graph)
             graph_changed |= _lift_buffers(gm, result)
         if graph_changed:
             codegen = time.perf_counter()
@@ -409,7 +425,7 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
         result.error = f"{type(e).__name__}: {e}"
         gm.recompile()
         result.code_after = gm.code
-        if result.code_after == result.code_before:
+        if not graph_changed and (result._code_before is None or result.code_after == result.code_before):
             log.warning("aux_capture pass failed, graph left unchanged: %s", result.error)
         elif target.works_on_copy:
             log.warning("aux_capture pass failed, the graph is compiled without it: %s", result.error)

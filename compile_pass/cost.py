@@ -10,10 +10,11 @@ rather than on a rewritten copy, so deciding a group costs one sweep, not a grap
 - a COMPUTE_INTO or ELIDE_CLONE capture allocates nothing: its value is the buffer's
   slice (readers of it keep the buffer alive).
 
-Plans that hoist producers (``plan.py``) move nodes; the pass prices those on the rewritten
-copy of the graph instead (``capture_pass._decide``).
+- a hoisted producer (``plan.py``: moved up right after its last input) runs there: its
+  storage is born there, and its inputs are read there for its part.
 
-``tests/test_capture_pass.py`` checks this against the liveness of the rewritten graph.
+``tests/test_capture_pass.py`` checks this against the liveness of the rewritten graph,
+hoisting included.
 """
 
 from __future__ import annotations
@@ -84,41 +85,92 @@ def inductor_shared_storages(table: NodeTable, twins: Optional[Mapping[fx.Node, 
     return shared
 
 
-def write_time(model: LivenessModel, capture: Capture) -> Optional[int]:
-    """When a planned capture is written (half steps); None for graph inputs (with the first)."""
+def _moved(model: LivenessModel, group: CaptureGroup) -> Dict[fx.Node, int]:
+    """Producers the plan hoists -> the time they run at after the rewrite (half steps):
+    right after their hoist point."""
+    return {c.node: 2 * model.position[c.hoist_after] + 1
+            for c in group.captures if c.hoist_after is not None}
+
+
+def write_time(model: LivenessModel, capture: Capture,
+               moved: Optional[Mapping[fx.Node, int]] = None) -> Optional[int]:
+    """When a planned capture is written (half steps); None for graph inputs (with the first).
+    ``moved``: hoisted producers' new times (``_moved``): their write follows them."""
     if capture.write_after is None:
         return None
+    if moved and capture.node in moved and capture.write_after is capture.node:
+        return moved[capture.node]
     if capture.strategy in (Strategy.COMPUTE_INTO, Strategy.ELIDE_CLONE):
-        return 2 * model.position[capture.node]
+        return moved[capture.node] if moved and capture.node in moved else 2 * model.position[capture.node]
     return 2 * model.position[capture.write_after] + 1
+
+
+def _last_read(model: LivenessModel, key: Hashable, gone: frozenset,
+               moved: Mapping[fx.Node, int]) -> int:
+    """Time of the last read of storage ``key`` once the nodes in ``gone`` no longer read
+    it and the ``moved`` nodes run at their new times."""
+    last = 0
+    for node in model.nodes_of.get(key, ()):
+        if node not in gone:
+            last = max(last, moved.get(node, 2 * model.position[node]))
+        for user in node.users:
+            if user in gone:
+                continue
+            last = max(last, model.end if user.op == "output" else moved.get(user, 2 * model.position[user]))
+    return last
 
 
 def planned_changes(model: LivenessModel, group: CaptureGroup,
                     buffer_born: Optional[int] = None) -> Dict[Hashable, Optional[Interval]]:
     """Interval changes that the planned rewrite of ``group`` makes to ``model``'s graph.
     ``buffer_born``: when the packed buffer is allocated (0: before the graph runs, a
-    lifted buffer); default: right before the first write."""
-    times = [t for t in (write_time(model, c) for c in group.captures) if t is not None]
+    lifted buffer); default: right before the first write.
+
+    Hoisted producers (``Capture.hoist_after``) run right after their hoist point: their
+    storage is born there, and their inputs are read there for the last time by them."""
+    moved = _moved(model, group)
+    writes = {c.node: write_time(model, c, moved) for c in group.captures}
+    times = [t for t in writes.values() if t is not None]
     first_write = min(times) if buffer_born is None else buffer_born
     cat_key = model.keys_of[group.cat][0]
     packed = model.intervals[cat_key]
     buffer_last = packed.last
-    changes: Dict[Hashable, Optional[Interval]] = {}
+    elided = frozenset(c.node for c in group.captures if c.strategy is Strategy.ELIDE_CLONE)
+    gone = frozenset({group.cat}) | elided  # nodes the rewritten graph no longer has
+    slices: set = set()  # storages that become the buffer's slices
+    copies: Dict[Hashable, int] = {}  # storage -> time of its last planned write
     for capture in group.captures:
         keys = model.keys_of.get(capture.node) or []
         key = keys[0] if keys else None
         if key is None or key not in model.intervals or key == cat_key:
             continue  # graph inputs and parameters: live anyway
-        if key in changes and changes[key] is None:
-            continue  # a duplicate of a capture that already became the buffer's slice
         if capture.strategy in (Strategy.COMPUTE_INTO, Strategy.ELIDE_CLONE):
-            buffer_last = max(buffer_last, model.last_read(key, ignore=group.cat))
-            changes[key] = None
+            slices.add(key)
         else:
-            current = changes.get(key, model.intervals[key])
-            written = write_time(model, capture) or 0
-            last = max(model.last_read(key, ignore=group.cat), written)
-            changes[key] = Interval(current.size, current.born, last)
+            copies[key] = max(copies.get(key, 0), writes[capture.node] or 0)
+    # storages whose reads move: the elided clones' sources (now read by their write) and
+    # the inputs of hoisted producers
+    reads: Dict[Hashable, int] = {}
+    for capture in group.captures:
+        node = capture.node
+        if capture.strategy is Strategy.ELIDE_CLONE:
+            for key in model.keys_of.get(node.args[0], ()) if isinstance(node.args[0], fx.Node) else ():
+                reads[key] = max(reads.get(key, 0), writes[node] or 0)
+        if node in moved:
+            for arg in node.all_input_nodes:
+                for key in model.keys_of.get(arg, ()):
+                    reads.setdefault(key, 0)
+    changes: Dict[Hashable, Optional[Interval]] = {}
+    for key in slices:
+        buffer_last = max(buffer_last, _last_read(model, key, gone, moved))
+        changes[key] = None
+    for key in set(copies) | set(reads):
+        if key in slices or key == cat_key or key not in model.intervals:
+            continue
+        current = model.intervals[key]
+        born = min([current.born] + [moved[n] for n in model.nodes_of.get(key, ()) if n in moved])
+        last = max(_last_read(model, key, gone, moved), copies.get(key, 0), reads.get(key, 0))
+        changes[key] = Interval(current.size, born, last)
     changes[cat_key] = Interval(packed.size, first_write, buffer_last)
     return changes
 

@@ -472,5 +472,37 @@ def test_skipping_trials_outside_the_span_keeps_every_decision(post_grad_graphs,
     shortcut = [g for g in fast_result.groups if "where the rewrite changes nothing" in g.reason]
     if name == "deepseek":  # MLA's k joins, one per layer, each far from the peak
         assert shortcut
-    else:  # the capture group's span holds the peak: priced on its copy
+    else:  # the capture group's span holds the peak: priced in full
         assert not shortcut
+
+
+@pytest.mark.parametrize("name", ["deepseek", "dflash"])
+@pytest.mark.parametrize("target", ["aot", "post_grad"])
+def test_hoisted_plans_are_priced_as_their_rewritten_graph(post_grad_graphs, name, target):
+    """``planned_peak`` on the original intervals equals the peak of the rewritten copy for
+    every group the hoisting planner plans (the post_grad target: Inductor's cost model),
+    on the graph as AOTAutograd makes it and with every capture producer moved right
+    before its concat, as Inductor's locality reordering moves them."""
+    from compile_pass.capture_pass import _liveness, _trial_rewrite
+
+    original = post_grad_graphs[name]
+    for reorder in (False, True):
+        gm = fx.GraphModule(original, copy_graph(original.graph)[0])
+        if reorder:
+            for group in find_capture_groups(gm):
+                if group.decision is Decision.FOUND:
+                    for c in group.captures:
+                        if c.node.op == "call_function" and len(c.node.users) == 1:
+                            group.cat.prepend(c.node)
+        hoisted = 0
+        for group in find_capture_groups(gm):
+            plan_group(group, GraphFacts(gm.graph), runs_as_is=False, hoist=True)
+            if group.decision is not Decision.FOUND:
+                continue
+            hoisted += sum(c.hoist_after is not None for c in group.captures)
+            model = _liveness(gm.graph, TARGETS[target], except_cat=group.cat)
+            trial, _ = _trial_rewrite(gm.graph, group)
+            assert trial is not None, group.reason
+            assert planned_peak(model, group) == _liveness(trial, TARGETS[target]).peak(), \
+                (group.key, reorder)
+        assert hoisted > 0 or not reorder
