@@ -301,9 +301,10 @@ class _MoE(nn.Module):
         elif cfg.moe == "tp_workspace":
             t, i = x.shape[0], cfg.expert_intermediate
             routed = torch.empty_like(x)
-            cache13 = x.new_empty((t * cfg.top_k, 2 * i))
+            cache13 = x.new_empty((t, cfg.top_k, 2 * i))
             cache2 = x.new_empty((t * cfg.top_k, i))
-            ops.fused_moe_workspace_(routed, cache13, cache2, x, weights, ids, self.w13, self.w2)
+            cache3 = x.new_empty((t, cfg.top_k, x.shape[1]))
+            ops.fused_moe_workspace_(routed, cache13, cache2, cache3, x, weights, ids, self.w13, self.w2)
         else:  # dp_ep: this rank holds experts [0, local) and receives T * k rows
             recv = ops.all_to_all_dispatch(x, ids)
             routed = ops.all_to_all_combine(ops.grouped_experts(recv, ids, self.w13, self.w2, 0), weights)

@@ -24,9 +24,10 @@ Namespace ``engine``:
 - ``topk_softmax(logits, k) -> (weights, ids)``: the router;
 - ``fused_moe(x, weights, ids, w13, w2) -> out``: routed experts as one kernel that
   allocates its output only;
-- ``fused_moe_workspace_(out, cache13, cache2, x, weights, ids, w13, w2)``: the same with the
-  workspaces of vLLM's Triton fused-MoE (``[T * k, 2 * inter]`` and ``[T * k, inter]``)
-  passed in, so that a graph holds them as values of its own;
+- ``fused_moe_workspace_(out, cache13, cache2, cache3, x, weights, ids, w13, w2)``: the same
+  with the workspaces of vLLM's Triton fused-MoE (``[T, k, 2 * inter]``, ``[T * k, inter]``
+  and ``[T, k, hidden]``, the per-choice outputs summed into ``out``) passed in, so that a
+  graph holds them as values of its own;
 - ``all_to_all_dispatch(x, ids) -> recv``, ``grouped_experts(recv, ids, w13, w2, first)
   -> y`` and ``all_to_all_combine(y, weights) -> out``: expert parallelism, one process: a
   rank receives ``T * k`` rows (as many as it sends on average; its own tokens' rows stand
@@ -261,17 +262,18 @@ def _(x, weights, ids, w13, w2):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("engine::fused_moe_workspace_", mutates_args=("out", "cache13", "cache2"))
+@torch.library.custom_op("engine::fused_moe_workspace_",
+                         mutates_args=("out", "cache13", "cache2", "cache3"))
 def fused_moe_workspace_(out: torch.Tensor, cache13: torch.Tensor, cache2: torch.Tensor,
-                         x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                         w13: torch.Tensor, w2: torch.Tensor) -> None:
+                         cache3: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
+                         ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
     """``fused_moe`` writing ``out``; the workspaces are the Triton kernel's (their contents
     do not matter here, only that they exist while it runs)."""
     _experts(x, weights, ids, w13, w2, out)
 
 
 @fused_moe_workspace_.register_fake
-def _(out, cache13, cache2, x, weights, ids, w13, w2):
+def _(out, cache13, cache2, cache3, x, weights, ids, w13, w2):
     return None
 
 
