@@ -4,18 +4,16 @@ Three ways in:
 - eager: :class:`AuxHiddenStatePacker` in place of the capture list;
 - compiled: ``torch.compile(model, backend="aux_capture")`` rewrites the append/cat pattern;
 - debugging: ``python -m compile_pass diff`` shows what the pass did and saved.
+
+Importing the package loads the eager packer only (what serving engines' model files
+import); the compiler side (the backend, the passes, the diff tool), which imports
+``torch._dynamo`` and ``torch._inductor``, loads on first use of one of its names.
 """
 
+import importlib
 import logging
+from typing import Any, List
 
-from compile_pass.backend import AuxCaptureBackend, aux_capture_backend
-from compile_pass.capture_pass import PassResult, rewrite_graph, run_capture_pass
-from compile_pass.explain import explain
-from compile_pass.find import find_capture_groups, find_output_groups
-from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Strategy
-from compile_pass.inductor_pass import AuxCapturePass, CaptureTwinsPass
-from compile_pass.memory import Peak, measure_peak
-from compile_pass.split import SplitGraph, split_graph
 from compile_pass.packer import (
     AuxCaptureError,
     AuxHiddenStateAccumulator,
@@ -27,31 +25,50 @@ from compile_pass.packer import (
 
 logging.getLogger("compile_pass").addHandler(logging.NullHandler())
 
+#: public name -> the module that defines it, imported on first use
+_LAZY = {
+    "AuxCaptureBackend": "compile_pass.backend",
+    "aux_capture_backend": "compile_pass.backend",
+    "AuxCapturePass": "compile_pass.inductor_pass",
+    "CaptureTwinsPass": "compile_pass.inductor_pass",
+    "PassResult": "compile_pass.capture_pass",
+    "rewrite_graph": "compile_pass.capture_pass",
+    "run_capture_pass": "compile_pass.capture_pass",
+    "explain": "compile_pass.explain",
+    "find_capture_groups": "compile_pass.find",
+    "find_output_groups": "compile_pass.find",
+    "Capture": "compile_pass.groups",
+    "CaptureGroup": "compile_pass.groups",
+    "Decision": "compile_pass.groups",
+    "GroupKind": "compile_pass.groups",
+    "Producer": "compile_pass.groups",
+    "Strategy": "compile_pass.groups",
+    "Peak": "compile_pass.memory",
+    "measure_peak": "compile_pass.memory",
+    "SplitGraph": "compile_pass.split",
+    "split_graph": "compile_pass.split",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'compile_pass' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
-    "AuxCaptureBackend",
-    "AuxCapturePass",
-    "CaptureTwinsPass",
-    "Capture",
-    "CaptureGroup",
-    "Decision",
-    "GroupKind",
-    "PassResult",
-    "Peak",
-    "Producer",
-    "Strategy",
-    "aux_capture_backend",
-    "explain",
-    "find_capture_groups",
-    "find_output_groups",
-    "measure_peak",
-    "rewrite_graph",
-    "run_capture_pass",
-    "split_graph",
-    "SplitGraph",
     "AuxCaptureError",
     "AuxHiddenStateAccumulator",
     "AuxHiddenStateList",
     "AuxHiddenStatePacker",
     "AuxHiddenStates",
     "pack_aux_hidden_states",
+    *_LAZY,
 ]

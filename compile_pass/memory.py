@@ -13,6 +13,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import sys
+import tempfile
 from typing import Any, Callable, Iterator, List, NamedTuple, Tuple
 
 import torch
@@ -48,13 +53,51 @@ def _device_of(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict) -> t
     return torch.device("cpu")
 
 
+#: what the profiler's C++ side prints on every start and stop (kineto's USDT probes, torch
+#: 2.13 and 2.14), and nothing else: the only lines ``_profiler_chatter_dropped`` drops
+_PROFILER_CHATTER = re.compile(r"^USDT:.*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)\s*$")
+
+
+@contextlib.contextmanager
+def _profiler_chatter_dropped() -> Iterator[None]:
+    """Inside the block, what is written to file descriptor 2 is kept back and written to
+    ``sys.stderr`` afterwards, less the profiler's start/stop lines. Wraps the profiler's
+    own start and stop only, never the measured call: anything else is written out."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no real stderr (an embedding host)
+        yield
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            text = captured.read().decode(errors="replace")
+            kept = [line for line in text.splitlines(keepends=True)
+                    if not _PROFILER_CHATTER.match(line.rstrip("\n"))]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def allocation_trace(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Tuple[List[int], Any]:
     """Signed allocation sizes (bytes, + alloc / - free) on CPU during ``fn``, in time order."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _profiler_chatter_dropped():
+        prof.__enter__()
+    try:
         result = fn(*args, **kwargs)
+    finally:
+        with _profiler_chatter_dropped():
+            prof.__exit__(None, None, None)
     events: List[Tuple[int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:

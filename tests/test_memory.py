@@ -210,3 +210,30 @@ def test_cuda_two_tensors_and_cat_peak_16_mib():
     assert peak.bytes == 16 * MiB
     assert peak.result.device.type == "cuda"
     assert torch.equal(peak.result.cpu(), _two_and_cat())
+
+
+def test_measurements_print_only_what_the_measured_call_prints(capfd):
+    """The profiler's start/stop lines (kineto's USDT probes) are dropped; anything else
+    written to stderr, by the call or by the profiler, still reaches it."""
+    import os
+
+    def noisy():
+        os.write(2, b"from the measured call\n")
+        return torch.ones(4)
+
+    measure_peak(noisy)
+    err = capfd.readouterr().err
+    assert "from the measured call" in err
+    assert "profiler_start" not in err and "profiler_stop" not in err
+
+
+def test_chatter_filter_keeps_other_lines(capfd):
+    import os
+
+    from compile_pass.memory import _profiler_chatter_dropped
+
+    with _profiler_chatter_dropped():
+        os.write(2, b"USDT:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a real warning\n")
+    err = capfd.readouterr().err
+    assert err == "a real warning\n"

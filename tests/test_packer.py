@@ -640,3 +640,23 @@ def test_property_packer_equals_cat(k, feature, tokens, dtype, three_d, seed):
     assert res.shape == expected.shape
     assert torch.equal(res, expected)
     assert torch.equal(pack_aux_hidden_states(list(caps)), expected)
+
+
+def test_the_eager_import_does_not_load_the_compiler():
+    """Model files import the packer; that must not import torch._dynamo or torch._inductor
+    (a fresh interpreter, so nothing else imported them first)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from compile_pass import AuxHiddenStatePacker, AuxHiddenStateList, pack_aux_hidden_states, "
+            "AuxHiddenStates, AuxCaptureError\n"
+            "p = AuxHiddenStatePacker(2); p.append(torch.ones(3, 2)); p.append(torch.zeros(3, 2))\n"
+            "assert pack_aux_hidden_states(p.finalize()).shape == (3, 4)\n"
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))\n"
+            "import compile_pass\n"
+            "compile_pass.aux_capture_backend('eager')\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert lines == ["[]", "True"], out.stdout + out.stderr
