@@ -34,7 +34,7 @@ _LAZY = {
     "PassResult": "compile_pass.capture_pass",
     "rewrite_graph": "compile_pass.capture_pass",
     "run_capture_pass": "compile_pass.capture_pass",
-    "explain": "compile_pass.explain",
+    "explain": "compile_pass.explainer",
     "find_capture_groups": "compile_pass.find",
     "find_output_groups": "compile_pass.find",
     "Capture": "compile_pass.groups",

@@ -226,7 +226,7 @@ def _diff(args: argparse.Namespace) -> int:
     _ensure_cwd_importable("models")  # the reference models, for a factory file too
     model, inputs = build_model(args.model, args.tokens)
 
-    from compile_pass.explain import ModelRunError, explain
+    from compile_pass.explainer import ModelRunError, explain
 
     kwargs = dict(inner=args.inner, split_ops=split_ops, pack_outputs=args.pack_outputs,
                   dynamic=args.dynamic, measure=args.measure, cost_model=not args.no_cost_model,

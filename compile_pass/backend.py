@@ -186,8 +186,7 @@ class AuxCaptureBackend:
             return self._compile_inductor(gm, example_inputs, rewrite_inside=False)
         work = copy_module(gm)
         result = run_capture_pass(work, "dynamo_lifted", estimate=self._estimate,
-                                  cost_model=self.cost_model, pack_outputs=self.pack_outputs,
-                                  original=gm.graph)
+                                  cost_model=self.cost_model, pack_outputs=self.pack_outputs)
         self.results.append(result)
         self._on_result(result, work.graph)
         if result.error is not None:

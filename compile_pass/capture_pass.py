@@ -84,7 +84,7 @@ class PassResult:
     ``code_before`` / ``code_after`` are the graph's code before and after the pass. The
     text costs about as much as the pass itself on a 7000-node graph, so it is generated
     only when needed: before the pass's first change, on first read from an unchanged graph
-    that nothing edits later (a graph that runs as is, or a copy kept by the caller), and
+    that nothing edits later (a graph that runs as is, or the backend's working copy), and
     with ``estimate=True`` (the diff tool). Otherwise, for a graph the pass leaves unchanged
     and a compiler edits next (Inductor's post-grad graph), it is not kept: both read
     ``CODE_NOT_KEPT``.
@@ -354,8 +354,7 @@ def _find_groups(gm: fx.GraphModule, table: NodeTable, concat: bool,
 
 def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
                      estimate: bool = False, cost_model: bool = True,
-                     pack_outputs: bool = False, concat: bool = True,
-                     original: Optional[fx.Graph] = None) -> PassResult:
+                     pack_outputs: bool = False, concat: bool = True) -> PassResult:
     """Rewrite every accepted capture group of ``gm`` (in place); never raises.
 
     ``estimate=True`` also records whole-graph memory timelines before and after, for the
@@ -363,19 +362,19 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
     the estimate says (for tests and for measuring what the estimate predicts).
     ``concat``: rewrite concats of captures; ``pack_outputs``: also make captures the
     graph returns adjacent slices of one buffer (``find_output_groups``).
-    ``original``: an unchanged copy of ``gm``'s graph, which the code before is read from
-    (``Target.works_on_copy``: ``gm`` is the caller's working copy of it).
     """
     with gc_paused():
         return _run_capture_pass(gm, TARGETS[target] if isinstance(target, str) else target,
-                                 estimate, cost_model, pack_outputs, concat, original)
+                                 estimate, cost_model, pack_outputs, concat)
 
 
 def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_model: bool,
-                      pack_outputs: bool, concat: bool, original: Optional[fx.Graph]) -> PassResult:
+                      pack_outputs: bool, concat: bool) -> PassResult:
     start = time.perf_counter()
-    # the graph's own code, not gm.code: earlier passes (Inductor's) may not have recompiled
-    unchanged = original if original is not None else gm.graph if target.runs_as_is else None
+    # the graph's own code, not gm.code: earlier passes (Inductor's) may not have recompiled.
+    # Read later from the graph itself while the pass leaves it unchanged and nothing else
+    # edits it (a graph run as is, or the backend's working copy), else kept before changes
+    unchanged = gm.graph if target.runs_as_is or target.works_on_copy else None
     result = PassResult(target.name, [], None, None, _unchanged_graph=unchanged)
     if estimate:
         result.keep_code_before(gm.graph)

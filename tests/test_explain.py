@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 import compile_pass  # noqa: E402
 import models.dflash  # noqa: E402
 import models.llama  # noqa: E402
-from compile_pass.explain import ExplainReport, ModelRunError, explain, trace_pass_result  # noqa: E402
+from compile_pass.explainer import ExplainReport, ModelRunError, explain, trace_pass_result  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ANSI = re.compile(r"\x1b\[")
