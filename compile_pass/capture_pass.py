@@ -100,6 +100,7 @@ class PassResult:
     #: regenerating a changed module's Python code after the pass (``gm.recompile()``), which
     #: running or compiling the rewritten module needs in any case
     codegen_seconds: float = 0.0
+    codegen_cpu_seconds: float = 0.0  # the same in CPU time of the process
     error: Optional[str] = None
     counts: Dict[str, int] = field(default_factory=dict)
     #: packed buffers made graph inputs (``Target.lift``): the compiled graph's caller allocates them
@@ -412,10 +413,11 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
             result.keep_code_before(gm.graph)
             graph_changed |= _lift_buffers(gm, result)
         if graph_changed:
-            codegen = time.perf_counter()
+            codegen, codegen_cpu = time.perf_counter(), time.process_time()
             gm.recompile()  # the rewritten module's code, which compiling it needs anyway
             result.code_after = gm.code
             result.codegen_seconds = time.perf_counter() - codegen
+            result.codegen_cpu_seconds = time.process_time() - codegen_cpu
         if estimate:
             result.timeline_after = _liveness(gm.graph, target).timeline()
             if result.lifted is not None:  # allocated by the caller, before the graph runs
