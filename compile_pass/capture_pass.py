@@ -27,7 +27,7 @@ from compile_pass.lift import LiftedBuffers, LiftError, lift_packed_buffers
 from compile_pass.liveness import LivenessModel, MemoryTimeline
 from compile_pass.twins import capture_twins, capture_values
 from compile_pass.plan import GraphFacts, plan_group
-from compile_pass.rewrite import RewriteError, check_rewrite, rewrite_group
+from compile_pass.rewrite import RewriteError, check_rewrite, compute_writes_into_slices, rewrite_group
 
 __all__ = ["Target", "PassResult", "run_capture_pass", "rewrite_graph", "TARGETS", "CODE_NOT_KEPT"]
 
@@ -106,6 +106,8 @@ class PassResult:
     #: packed buffers made graph inputs (``Target.lift``): the compiled graph's caller allocates them
     lifted: Optional[LiftedBuffers] = None
     lift_note: str = ""  # why packed buffers stayed in the graph, if they did
+    #: ``write_slice_`` calls of capture-only arithmetic made ``binary_into_slice_`` (lift targets)
+    writes_computed_into: int = 0
     _unchanged_graph: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
 
     @property
@@ -174,6 +176,7 @@ class _GraphState:
         self.groups = groups
         self.twins = capture_twins(capture_values(gm.graph, table, groups), table) \
             if target.lift else {}
+        self.twinned = frozenset(self.twins) | frozenset(self.twins.values())
         self.liveness = _liveness(gm.graph, target, table=table, twins=self.twins, groups=groups)
         self.peak = self.liveness.peak()
 
@@ -193,7 +196,8 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
                      f"(MLA's k = [k_nope, k_rope]): the model's own concat, left to Inductor, "
                      f"which computes its inputs into it")
         return False
-    plan_group(group, state.facts, target.runs_as_is, hoist=target.hoist)
+    plan_group(group, state.facts, target.runs_as_is, hoist=target.hoist, into_op=target.lift,
+               twinned=state.twinned)
     if group.decision is Decision.REJECT:
         return False
     before = state.peak
@@ -411,7 +415,10 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
                 groups = groups[:i] + [g for g in groups[i:]]
         if target.lift:
             result.keep_code_before(gm.graph)
+            # lifted first: a packer's buffer is allocated like its first capture, a reader
+            # that would keep that capture from being computed into its slice
             graph_changed |= _lift_buffers(gm, result)
+            graph_changed |= _writes_into_slices(gm, result)
         if graph_changed:
             codegen, codegen_cpu = time.perf_counter(), time.process_time()
             gm.recompile()  # the rewritten module's code, which compiling it needs anyway
@@ -444,6 +451,18 @@ def _lifted_bytes(gm: fx.GraphModule, lifted: LiftedBuffers) -> int:
     """Bytes of ``gm``'s lifted buffers at the example sizes."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return sum(nbytes(tensor_value(n)) for n in placeholders[lifted.num_inputs:])
+
+
+def _writes_into_slices(gm: fx.GraphModule, result: PassResult) -> bool:
+    """Writes of capture-only arithmetic (a packer's ``append(hidden + residual)``) computed
+    into their slices (``rewrite.compute_writes_into_slices``); True if any was."""
+    table = NodeTable(gm.graph)
+    twinned = capture_twins(capture_values(gm.graph, table, []), table)
+    done = compute_writes_into_slices(gm.graph, table, frozenset(twinned) | frozenset(twinned.values()))
+    if done:
+        result.writes_computed_into = done
+        log.info("aux_capture[%s] %d capture writes computed into their slices", result.target, done)
+    return done > 0
 
 
 def _lift_buffers(gm: fx.GraphModule, result: PassResult) -> bool:

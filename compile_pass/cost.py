@@ -7,8 +7,8 @@ rather than on a rewritten copy, so deciding a group costs one sweep, not a grap
   instead of at the concat, freed when the concat's result was;
 - a COPY capture is no longer read by the concat: it dies at its write (or at its last
   other reader, whichever is later);
-- a COMPUTE_INTO or ELIDE_CLONE capture allocates nothing: its value is the buffer's
-  slice (readers of it keep the buffer alive).
+- a COMPUTE_INTO, COMPUTE_INTO_OP or ELIDE_CLONE capture allocates nothing: its value is
+  the buffer's slice (readers of it keep the buffer alive).
 
 - a hoisted producer (``plan.py``: moved up right after its last input) runs there: its
   storage is born there, and its inputs are read there for its part.
@@ -85,6 +85,11 @@ def inductor_shared_storages(table: NodeTable, twins: Optional[Mapping[fx.Node, 
     return shared
 
 
+#: strategies whose capture allocates nothing: its value is computed or copied into the slice
+#: where the producer was
+_IN_PLACE = (Strategy.COMPUTE_INTO, Strategy.COMPUTE_INTO_OP, Strategy.ELIDE_CLONE)
+
+
 def _moved(model: LivenessModel, group: CaptureGroup) -> Dict[fx.Node, int]:
     """Producers the plan hoists -> the time they run at after the rewrite (half steps):
     right after their hoist point."""
@@ -100,7 +105,7 @@ def write_time(model: LivenessModel, capture: Capture,
         return None
     if moved and capture.node in moved and capture.write_after is capture.node:
         return moved[capture.node]
-    if capture.strategy in (Strategy.COMPUTE_INTO, Strategy.ELIDE_CLONE):
+    if capture.strategy in _IN_PLACE:
         return moved[capture.node] if moved and capture.node in moved else 2 * model.position[capture.node]
     return 2 * model.position[capture.write_after] + 1
 
@@ -144,7 +149,7 @@ def planned_changes(model: LivenessModel, group: CaptureGroup,
         key = keys[0] if keys else None
         if key is None or key not in model.intervals or key == cat_key:
             continue  # graph inputs and parameters: live anyway
-        if capture.strategy in (Strategy.COMPUTE_INTO, Strategy.ELIDE_CLONE):
+        if capture.strategy in _IN_PLACE:
             slices.add(key)
         else:
             copies[key] = max(copies.get(key, 0), writes[capture.node] or 0)

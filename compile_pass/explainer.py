@@ -37,7 +37,7 @@ from compile_pass.rewrite import BUFFER_NAME
 __all__ = ["ExplainReport", "GraphExplain", "MeasuredPeaks", "ModelRunError", "explain",
            "trace_pass_result"]
 
-_WRITE = torch.ops.compile_pass.write_slice_.default
+_WRITES = (torch.ops.compile_pass.write_slice_.default, torch.ops.compile_pass.binary_into_slice_.default)
 
 
 class ModelRunError(RuntimeError):
@@ -79,7 +79,7 @@ def _packed_writes(graph: fx.Graph) -> List[str]:
         out = node.kwargs.get("out")
         if node.name.startswith(BUFFER_NAME) and not node.name.startswith(BUFFER_NAME + "_slot"):
             names.append(node.name)  # the allocation
-        elif node.target is _WRITE or (isinstance(out, fx.Node) and out.name.startswith(BUFFER_NAME)):
+        elif node.target in _WRITES or (isinstance(out, fx.Node) and out.name.startswith(BUFFER_NAME)):
             names.append(node.name)
     return names
 

@@ -24,7 +24,7 @@ from compile_pass.dataflow import (
 from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Provenance
 
 __all__ = ["find_capture_groups", "find_output_groups", "classify_producer", "aten_packet",
-           "exact_out_variant", "LAYER_DEPTH"]
+           "exact_out_variant", "exact_binary_op", "LAYER_DEPTH"]
 
 _OPERATOR_NAMES = {
     operator.add: "add", operator.sub: "sub", operator.mul: "mul",
@@ -423,3 +423,16 @@ def exact_out_variant(node: fx.Node) -> Optional[torch._ops.OpOverload]:
     if set(node.kwargs) - {"alpha"}:
         return None
     return packet.out
+
+
+def exact_binary_op(node: fx.Node) -> Optional[str]:
+    """``"add"``/``"sub"``/``"mul"``/``"div"`` for an EXACT_ARITHMETIC producer whose call
+    ``compile_pass::binary_into_slice_`` can compute (two tensor operands, ``alpha`` 1 if
+    given, no rounding mode), else None."""
+    if exact_out_variant(node) is None:
+        return None
+    if node.kwargs.get("alpha", 1) != 1:
+        return None
+    packet = aten_packet(node)
+    name = packet.__name__.split(".")[-1] if packet is not None else None
+    return name if name in _EXACT_ARITHMETIC else None

@@ -41,6 +41,9 @@ class Strategy(str, Enum):
     """How one capture reaches its slice of the packed buffer."""
 
     COMPUTE_INTO = "compute into slice"  # the producer's out= variant writes the slice
+    #: a capture-only add/sub/mul/div, in a graph a compiler functionalizes next: the op
+    #: ``compile_pass::binary_into_slice_`` computes it into the slice, no temporary
+    COMPUTE_INTO_OP = "compute into slice (op)"
     ELIDE_CLONE = "elide clone"  # clone(x) feeding only the capture: copy x into the slice
     COPY = "copy"  # write_slice_ after the producer (or after its last mutation)
 

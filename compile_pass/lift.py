@@ -33,7 +33,8 @@ from compile_pass.dataflow import copy_graph, tensor_value
 __all__ = ["LiftError", "LiftedBuffer", "LiftedBuffers", "copy_module", "find_packed_buffers",
            "lift_packed_buffers", "WithLiftedBuffers"]
 
-_WRITES = (torch.ops.compile_pass.write_slice_.default, torch.ops.compile_pass.write_slice_)
+_WRITES = (torch.ops.compile_pass.write_slice_.default, torch.ops.compile_pass.write_slice_,
+           torch.ops.compile_pass.binary_into_slice_.default)
 #: uninitialized allocations, in torch IR (Dynamo graphs) and aten IR
 _EMPTY_TARGETS = (torch.empty, torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
 _EMPTY_METHODS = ("new_empty",)
@@ -116,8 +117,8 @@ def _is_empty(node: fx.Node) -> bool:
 
 
 def find_packed_buffers(graph: fx.Graph) -> List[fx.Node]:
-    """Uninitialized allocations that ``write_slice_`` calls write into, in graph order
-    (the buffers of rewritten groups and of packers inside the model)."""
+    """Uninitialized allocations that ``write_slice_`` / ``binary_into_slice_`` calls write
+    into, in graph order (the buffers of rewritten groups and of packers inside the model)."""
     buffers = []
     for node in graph.nodes:
         if _is_empty(node) and any(u.op == "call_function" and u.target in _WRITES

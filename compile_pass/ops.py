@@ -1,4 +1,4 @@
-"""The one custom op the rewrite emits: an in-place write of a capture into its slice.
+"""The custom ops the rewrite emits: in-place writes of captures into their slices.
 
 ``compile_pass::write_slice_(buf, src, dim, start)`` copies ``src`` into
 ``buf.narrow(dim, start, src.size(dim))`` and declares that it mutates ``buf``. Declared
@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["write_slice_"]
+__all__ = ["write_slice_", "binary_into_slice_", "BINARY_OPS"]
+
+#: the correctly rounded binary ops ``binary_into_slice_`` computes (aten op names)
+BINARY_OPS = ("add", "sub", "mul", "div")
 
 
 @torch.library.custom_op("compile_pass::write_slice_", mutates_args=("buf",))
@@ -27,4 +30,23 @@ def write_slice_(buf: torch.Tensor, src: torch.Tensor, dim: int, start: int) -> 
 
 @write_slice_.register_fake
 def _write_slice_fake(buf: torch.Tensor, src: torch.Tensor, dim: int, start: int) -> None:
+    return None
+
+
+@torch.library.custom_op("compile_pass::binary_into_slice_", mutates_args=("buf",))
+def binary_into_slice_(buf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str, dim: int,
+                       start: int) -> None:
+    """``buf.narrow(dim, start, w) = op(a, b)``, computed straight into the slice (``out=``):
+    a capture that is one correctly rounded add/sub/mul/div needs no temporary of its own.
+    Bitwise equal to ``op(a, b)`` computed anywhere else (each element is one IEEE operation
+    on the same two operands). ``w`` is the broadcast width of ``a`` and ``b`` along ``dim``."""
+    if op not in BINARY_OPS:
+        raise ValueError(f"binary_into_slice_: op must be one of {BINARY_OPS}, got {op!r}")
+    width = torch.broadcast_shapes(a.shape, b.shape)[dim]
+    getattr(torch, op)(a, b, out=buf.narrow(dim, start, width))
+
+
+@binary_into_slice_.register_fake
+def _binary_into_slice_fake(buf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str, dim: int,
+                            start: int) -> None:
     return None

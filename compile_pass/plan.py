@@ -11,6 +11,9 @@ Strategies (``Strategy``):
   temporary. Only for graphs that run as is (an ``out=`` write would be functionalized),
   and only where the capture may become a slice of the buffer for good: written in place
   by nothing, not a graph output, the concat's result not mutated either.
+- COMPUTE_INTO_OP: the same arithmetic in a graph a compiler functionalizes next (the
+  Inductor inner's), read by nothing but the concat and without a twin: the custom op
+  ``compile_pass::binary_into_slice_`` computes it into the slice; no temporary.
 - ELIDE_CLONE: ``clone(x)`` whose only reader is the concat: ``x`` is copied into the
   slice at the clone's position; the clone disappears.
 - COPY: ``write_slice_`` right after the write point.
@@ -23,12 +26,12 @@ the capture is written as soon as its value can exist.
 
 from __future__ import annotations
 
-from typing import Optional, Set
+from typing import AbstractSet, Optional, Set
 
 import torch.fx as fx
 
 from compile_pass.dataflow import NodeTable, source_line
-from compile_pass.find import exact_out_variant
+from compile_pass.find import exact_binary_op, exact_out_variant
 from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Strategy
 
 __all__ = ["GraphFacts", "plan_group"]
@@ -108,7 +111,8 @@ def _hoist_point(node: fx.Node, facts: GraphFacts) -> Optional[fx.Node]:
 
 
 def _plan_capture(capture: Capture, group: CaptureGroup, facts: GraphFacts, runs_as_is: bool,
-                  repeated: Set[fx.Node], seen: Set[fx.Node], cat_mutated: bool, hoist: bool) -> None:
+                  repeated: Set[fx.Node], seen: Set[fx.Node], cat_mutated: bool, hoist: bool,
+                  into_op: bool, twinned: AbstractSet[fx.Node]) -> None:
     node, cat = capture.node, group.cat
     produced_at = facts.position[node] if node.op not in ("placeholder", "get_attr") else -1
     mutation = facts.last_mutation(node, produced_at, facts.position[cat])
@@ -140,13 +144,25 @@ def _plan_capture(capture: Capture, group: CaptureGroup, facts: GraphFacts, runs
         capture.strategy, capture.write_after = Strategy.COMPUTE_INTO, node
         capture.note = "computed straight into its slice by the out= variant"
         return
+    if (into_op and capture.producer is Producer.EXACT_ARITHMETIC and not duplicate
+            and not cat_mutated and _only_reader_is(node, cat) and node not in twinned
+            and exact_binary_op(node) is not None and _may_become_a_slice(node, facts, group)):
+        capture.strategy, capture.write_after = Strategy.COMPUTE_INTO_OP, node
+        capture.note = (f"computed straight into its slice by compile_pass::binary_into_slice_ "
+                        f"({exact_binary_op(node)}): read only by the concat, no temporary")
+        return
     capture.strategy, capture.write_after = Strategy.COPY, node
     capture.note = "copied into its slice right after it is produced" + hoisted
 
 
 def plan_group(group: CaptureGroup, facts: GraphFacts, runs_as_is: bool,
-               hoist: bool = False) -> CaptureGroup:
-    """Give each capture of a FOUND group its strategy and write point (in place)."""
+               hoist: bool = False, into_op: bool = False,
+               twinned: AbstractSet[fx.Node] = frozenset()) -> CaptureGroup:
+    """Give each capture of a FOUND group its strategy and write point (in place).
+
+    ``into_op``: a functional graph whose capture-only arithmetic may be computed into its
+    slice by ``compile_pass::binary_into_slice_`` (not a capture with a twin in
+    ``twinned``: that one is the model's own value once twins are merged, ``twins.py``)."""
     if group.decision is not Decision.FOUND:
         return group
     cat_position = facts.position[group.cat]
@@ -156,7 +172,7 @@ def plan_group(group: CaptureGroup, facts: GraphFacts, runs_as_is: bool,
     repeated = {n for n in nodes if nodes.count(n) > 1}
     for capture in group.captures:
         _plan_capture(capture, group, facts, runs_as_is and not hoist, repeated, seen, cat_mutated,
-                      hoist)
+                      hoist, into_op and not runs_as_is, twinned)
     writes = [c for c in group.captures if c.write_after is not None]
     if not writes:
         return group.reject("every capture is a graph input: the concat is already the only copy")

@@ -12,20 +12,23 @@ liveness estimates and later passes see the rewritten graph as they saw the orig
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import AbstractSet, Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.fx as fx
 
 import compile_pass.ops  # noqa: F401  (registers compile_pass::write_slice_)
 from compile_pass.dataflow import tensor_value
-from compile_pass.find import exact_out_variant
-from compile_pass.groups import Capture, CaptureGroup, GroupKind, Strategy
+from compile_pass.dataflow import NodeTable
+from compile_pass.find import classify_producer, exact_binary_op, exact_out_variant
+from compile_pass.groups import Capture, CaptureGroup, GroupKind, Producer, Strategy
 
-__all__ = ["RewriteError", "check_rewrite", "rewrite_group", "BUFFER_NAME"]
+__all__ = ["RewriteError", "check_rewrite", "compute_writes_into_slices", "rewrite_group", "BUFFER_NAME"]
 
 BUFFER_NAME = "aux_packed"
 _WRITE = torch.ops.compile_pass.write_slice_.default
+_BINARY_INTO = torch.ops.compile_pass.binary_into_slice_.default
+_WRITES = (_WRITE, torch.ops.compile_pass.write_slice_)
 _EMPTY = torch.ops.aten.empty.memory_format
 _SLICE = torch.ops.aten.slice.Tensor
 _SYM_SIZE = torch.ops.aten.sym_size.int
@@ -128,11 +131,13 @@ def check_rewrite(graph: fx.Graph, group: CaptureGroup) -> None:
     for capture in placed:
         if capture.strategy is Strategy.COMPUTE_INTO and exact_out_variant(capture.node) is None:
             raise RewriteError(f"{capture.node.name} has no out= variant")
+        if capture.strategy is Strategy.COMPUTE_INTO_OP and exact_binary_op(capture.node) is None:
+            raise RewriteError(f"{capture.node.name} is no add/sub/mul/div binary_into_slice_ computes")
 
 
 def _insertion(capture: Capture) -> Tuple[fx.Node, bool]:
     """(anchor, before): the write goes right before ``anchor`` or right after it."""
-    if capture.strategy in (Strategy.COMPUTE_INTO, Strategy.ELIDE_CLONE):
+    if capture.strategy in (Strategy.COMPUTE_INTO, Strategy.COMPUTE_INTO_OP, Strategy.ELIDE_CLONE):
         return capture.node, True
     assert capture.write_after is not None
     return capture.write_after, False
@@ -196,6 +201,11 @@ def rewrite_group(graph: fx.Graph, group: CaptureGroup) -> fx.Node:
                 source = capture.node.args[0]
                 last = emit.node(_WRITE, (buffer, source, dim, capture.offset), {}, None, like=anchor)
                 elided.append(capture.node)
+            elif capture.strategy is Strategy.COMPUTE_INTO_OP:
+                a, b = capture.node.args[:2]
+                last = emit.node(_BINARY_INTO, (buffer, a, b, exact_binary_op(capture.node), dim,
+                                                capture.offset), {}, None, like=anchor)
+                elided.append(capture.node)
             else:
                 out_op = exact_out_variant(capture.node)
                 if out_op is None:
@@ -220,3 +230,33 @@ def rewrite_group(graph: fx.Graph, group: CaptureGroup) -> fx.Node:
         if not node.users:
             graph.erase_node(node)
     return buffer
+
+
+def compute_writes_into_slices(graph: fx.Graph, table: NodeTable,
+                               twinned: AbstractSet[fx.Node] = frozenset()) -> int:
+    """Replace ``write_slice_(buf, src, dim, start)`` calls whose ``src`` is a capture-only
+    add/sub/mul/div (read by that write alone, no twin in ``twinned``, neither operand
+    written in between) by ``binary_into_slice_(buf, a, b, op, dim, start)``: a packer's
+    ``aux.append(hidden + residual)`` then needs no temporary. Returns how many."""
+    done = 0
+    for write in [n for n in table.nodes if n.op == "call_function" and n.target in _WRITES]:
+        buf, src, dim, start = (list(write.args) + [None] * 4)[:4]
+        if not isinstance(src, fx.Node) or src.op != "call_function" or len(src.users) != 1 \
+                or src in twinned or classify_producer(src, table) is not Producer.EXACT_ARITHMETIC:
+            continue
+        op = exact_binary_op(src)
+        if op is None or not isinstance(dim, int) or not isinstance(start, int):
+            continue
+        first, last = table.position[src], table.position[write]
+        if any(first < table.position[w] < last for a in src.all_input_nodes
+               for alias in table.holders.get(table.key.get(a), [a]) for w in table.mutators.get(alias, ())):
+            continue
+        a, b = src.args[:2]
+        with graph.inserting_before(write):
+            into = graph.call_function(_BINARY_INTO, (buf, a, b, op, dim, start), {})
+        into.meta.update({k: v for k, v in write.meta.items() if k != "example_value"})
+        into.meta["example_value" if "example_value" in write.meta else "val"] = None
+        graph.erase_node(write)
+        graph.erase_node(src)
+        done += 1
+    return done

@@ -254,3 +254,66 @@ def test_lifted_rewrite_is_taken_within_one_capture_of_the_list_path():
     assert group.estimated_peak_after <= group.estimated_peak_before + capture
     if group.estimated_peak_after >= group.estimated_peak_before:
         assert "within one capture of the list path" in group.reason
+
+
+def _engine_style(x: torch.Tensor, ws: List[torch.Tensor]) -> torch.Tensor:
+    """Captures of ``h + residual`` that nothing else reads (the residual is updated by an
+    op of its own, as a fused in-place add-RMSNorm does): no twin."""
+    aux, residual, h = [], x * 1.0, x
+    for i, w in enumerate(ws):
+        if i:
+            aux.append(h + residual)
+        residual = torch.addcmul(residual, h, h)
+        h = torch.relu(residual @ w)
+    return torch.cat(aux, dim=-1)
+
+
+@pytest.mark.parametrize("fn, strategy", [(_engine_style, "compute into slice (op)"),
+                                          (_sglang_layers, "copy")])
+def test_capture_only_arithmetic_is_computed_into_its_slice(fn, strategy):
+    """Under the lifted target an add read only by the concat, without a twin, becomes
+    ``binary_into_slice_`` (no temporary); an add with a twin stays a copy (Inductor merges
+    it with the model's own add)."""
+    x, ws = _inputs(4)
+    gm = _dynamo_graph(fn, x, ws)
+    work = copy_module(gm)
+    result = run_capture_pass(work, "dynamo_lifted", cost_model=False)
+    (group,) = [g for g in result.groups if g.decision is Decision.REWRITE]
+    computed = [c for c in group.captures if c.producer.value == "exact arithmetic"]
+    assert computed and all(c.strategy.value == strategy for c in computed)
+    assert ("compile_pass.binary_into_slice_.default(" in work.code) == (strategy != "copy")
+    expected = fn(x, ws)
+    (out,) = _call_lifted(work, result.lifted, x, ws)
+    assert torch.equal(out, expected)
+
+
+def _packer_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    aux = AuxHiddenStatePacker(3)
+    h, r = x, x * 0.5
+    for _ in range(3):
+        h = torch.relu(h @ w)
+        aux.append(h + r)  # read by the packer alone
+        r = r * 2.0
+    return aux.finalize()
+
+
+def test_a_packers_sums_are_computed_into_the_lifted_buffer():
+    x, w = torch.randn(12, 8), torch.randn(8, 8)
+    gm = _dynamo_graph(_packer_sums, x, w)
+    work = copy_module(gm)
+    result = run_capture_pass(work, "dynamo_lifted")
+    assert result.lifted is not None and result.writes_computed_into == 3
+    assert work.code.count("compile_pass.write_slice_.default(") == 0
+    assert work.code.count("compile_pass.binary_into_slice_.default(") == 3
+    (out,) = _call_as_dynamo(work, x, w, result.lifted)
+    assert torch.equal(out, _packer_sums(x, w))
+
+
+def _call_lifted(gm: fx.GraphModule, lifted, x: torch.Tensor, ws: List[torch.Tensor]):
+    values, tensors = [], iter([x, *ws])
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node.name.endswith("_input"):
+            continue
+        value = node.meta["example_value"]
+        values.append(x.shape[0] if isinstance(value, torch.SymInt) else next(tensors))
+    return WithLiftedBuffers(gm.forward, lifted)(*values)
