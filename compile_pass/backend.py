@@ -24,6 +24,7 @@ boxed (``piecewise.PieceRunner``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -144,6 +145,13 @@ class AuxCaptureBackend:
                               estimate=self._estimate, on_result=self._on_result)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> CompiledFn:
+        from compile_pass.compat import warn_once_if_unsupported
+
+        if self.rewrite and not warn_once_if_unsupported():
+            counters["aux_capture"]["unsupported_torch"] += 1
+            # the same compile with the pass off: what rewrite=False compiles
+            return dataclasses.replace(self, rewrite=False, results=[], splits=[],
+                                       twin_merges=[])(gm, example_inputs)
         if self.split_ops:
             return self._compile_split(gm, example_inputs)
         if self.inner == "eager":

@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from typing import List, Tuple
 
 import pytest
@@ -840,3 +841,47 @@ def test_returned_capture_does_not_alias_aux(inner):
     out, ref, result = _compile_module(CaptureAlsoReturned, inner, X)
     _assert_bitwise(out, ref)
     assert out[0].untyped_storage().data_ptr() != out[1].untyped_storage().data_ptr()
+
+
+# --------------------------------------------------------------------------- private torch APIs
+
+
+def test_a_missing_private_api_compiles_without_the_pass(monkeypatch, caplog):
+    """Take one private API away: the backend warns once, naming it and the torch version,
+    and compiles exactly as with rewrite=False; it never fails the compile."""
+    import torch._dynamo.utils
+
+    from compile_pass import compat
+
+    model, inputs = _tiny()
+    reference = model(*inputs)
+    monkeypatch.delattr(torch._dynamo.utils, "GmWrapper")
+    monkeypatch.setattr(compat, "_warned", [])
+    compat._checked.cache_clear()
+    try:
+        assert any("torch._dynamo.utils.GmWrapper" in m for m in compat.missing_private_apis())
+        backend = AuxCaptureBackend(inner="eager", cost_model=False)
+        with pytest.warns(RuntimeWarning, match=r"torch \S+ lacks private APIs the capture pass "
+                                                r"uses: .*torch\._dynamo\.utils\.GmWrapper"):
+            out = torch.compile(model, backend=backend)(*inputs)
+        _assert_bitwise(out, reference)
+        assert backend.results == [] and counters["aux_capture"]["unsupported_torch"] >= 1
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per process: no second warning
+            torch.compile(model, backend=AuxCaptureBackend(inner="eager"))(*inputs)
+    finally:
+        compat._checked.cache_clear()
+
+
+def test_this_torch_has_every_private_api_the_pass_uses():
+    from compile_pass.compat import PRIVATE_APIS, missing_private_apis
+
+    assert len(PRIVATE_APIS) >= 10 and missing_private_apis() == []
+
+
+def test_design_doc_lists_every_private_api():
+    from compile_pass.compat import PRIVATE_APIS
+
+    design = open(os.path.join(os.path.dirname(__file__), "..", "docs", "design.md")).read()
+    assert all(f"`{api.name}`" in design for api in PRIVATE_APIS)
