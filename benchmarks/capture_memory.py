@@ -187,6 +187,27 @@ def format_markdown(rows: List[Dict[str, Any]]) -> str:
                                    "pass ms"), cells)
 
 
+def format_summary(rows: List[Dict[str, Any]]) -> str:
+    """One row per model and config: the overhead of each execution and capture variant
+    (``module`` list / packer, then per inner list / list+pass / packer / packer+pass), and
+    whether every row kept the model's output equal to the build without captures."""
+    columns: List[Tuple[str, str]] = []
+    for r in rows:
+        key = (r["execution"], r["variant"])
+        if r["variant"] not in ("none", "list_out") and key not in columns:
+            columns.append(key)
+    cells = []
+    for model, config in dict.fromkeys((r["model"], r["config"]) for r in rows):
+        group = {(r["execution"], r["variant"]): r for r in rows
+                 if (r["model"], r["config"]) == (model, config)}
+        model_equal = all(r.get("model_equal_no_capture", True) for r in group.values())
+        cells.append((model, config,
+                      *(f"{group[c]['overhead']:.2f}" if c in group else "" for c in columns),
+                      "yes" if model_equal else "NO"))
+    return _report.markdown_table(
+        ("model", "config", *(f"{e}: {v}" for e, v in columns), "model = no capture"), cells)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="llama,deepseek,dflash")
@@ -197,10 +218,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     _report.add_output_args(parser)
+    parser.add_argument("--summary", action="store_true",
+                        help="with --render: one row per model and config, overheads only")
     args = parser.parse_args(argv)
     if args.render:
         return _report.render(args.render, "python benchmarks/capture_memory.py",
-                              lambda saved: format_markdown(saved["rows"]))
+                              lambda saved: (format_summary if args.summary else format_markdown)(saved["rows"]))
     dtype = getattr(torch, args.dtype)
     rows: List[Dict[str, Any]] = []
     for model_name in args.models.split(","):
