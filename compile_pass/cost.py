@@ -59,7 +59,8 @@ def inductor_shared_storages(table: NodeTable, twins: Optional[Mapping[fx.Node, 
       concat groups as found, whose captures' producers are read instead of classified
       again (concats of fewer than two inputs, which have no group, are left out).
     """
-    shared: Dict[fx.Node, fx.Node] = dict(twins or {})
+    twins = dict(twins or {})
+    into: Dict[fx.Node, fx.Node] = {}  # value -> the concat computing it into its output
     if groups is not None:
         inputs = [(g.cat, [(c.node, c.producer) for c in g.captures])
                   for g in groups if g.kind is GroupKind.CONCAT]
@@ -71,15 +72,18 @@ def inductor_shared_storages(table: NodeTable, twins: Optional[Mapping[fx.Node, 
         if cat is except_cat:
             continue
         for arg, producer in args:
-            value = shared.get(arg, arg)
-            if value in shared:
-                continue
+            value = twins.get(arg, arg)  # a merged twin: the node Inductor keeps
+            if value in into or value in twins:
+                continue  # computed into an earlier concat already
             if producer is None:
                 producer = classify_producer(value, table)
             if producer in INDUCTOR_COMPUTES_INTO_CAT:
-                shared[value] = cat
-    for node, holder in list(shared.items()):  # a twin merged into a value computed into a cat
-        while holder in shared:
+                into[value] = cat
+    shared = {**twins, **into}
+    for node in list(shared):  # a twin merged into a value computed into a concat
+        holder, seen = shared[node], {node}
+        while holder in shared and holder not in seen:
+            seen.add(holder)
             holder = shared[holder]
         shared[node] = holder
     return shared

@@ -317,3 +317,26 @@ def _call_lifted(gm: fx.GraphModule, lifted, x: torch.Tensor, ws: List[torch.Ten
         value = node.meta["example_value"]
         values.append(x.shape[0] if isinstance(value, torch.SymInt) else next(tensors))
     return WithLiftedBuffers(gm.forward, lifted)(*values)
+
+
+def _twin_concats(x: torch.Tensor, w: torch.Tensor):
+    a = x @ w
+    b = torch.relu(torch.relu(a) @ w) @ w
+    return torch.cat([a, b], dim=-1), torch.cat([a, b], dim=-1)  # the same concat twice
+
+
+def test_twin_concats_share_one_storage_without_a_cycle():
+    """Two identical concats returned (twins of each other) with the same inputs: Inductor's
+    model maps the later concat to the earlier and their inputs into the earlier one."""
+    from compile_pass.cost import inductor_shared_storages
+    from compile_pass.find import find_capture_groups
+
+    x, w = torch.randn(16, 8), torch.randn(8, 8)
+    gm = _dynamo_graph(_twin_concats, x, w)
+    table = NodeTable(gm.graph)
+    cats = [g.cat for g in find_capture_groups(gm, table)]
+    assert len(cats) == 2
+    shared = inductor_shared_storages(table, {cats[1]: cats[0]}, groups=find_capture_groups(gm, table))
+    assert shared[cats[1]] == cats[0]
+    inputs = cats[0].args[0]
+    assert all(shared[a] == cats[0] for a in inputs)
