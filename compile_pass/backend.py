@@ -8,12 +8,16 @@ must land where nothing functionalizes the graph again (docs/design.md):
 | ``eager``    | the Dynamo graph                                | runs as is                    |
 | ``aot_eager``| the functional aten graph after AOTAutograd     | runs as is                    |
 | ``cudagraphs``| the functional aten graph after AOTAutograd    | captured into a CUDA graph    |
-| ``inductor`` | Inductor's post-grad graph (``AuxCapturePass``, | lowered by Inductor           |
-|              | chained after any post-grad pass already set)   |                               |
+| ``inductor`` | a working copy of the Dynamo graph, packed      | AOTAutograd, then Inductor    |
+|              | buffers lifted to inputs this callable allocates| with ``CaptureTwinsPass`` first|
+| ``inductor`` + CUDA graphs, or captures that    | Inductor's post-grad graph     |
+|   require grad | (``AuxCapturePass``)                          | lowered by Inductor           |
 | a callable   | the Dynamo graph, custom-op writes              | the callable                  |
 
-Under Inductor the pass runs where Inductor's own graph is final (functionalized, CSE'd),
-so its cost model sees which captures Inductor would really copy into the concat.
+Under Inductor a packed buffer allocated inside the graph changes Inductor's own buffer
+reuse (measured worse), so it is lifted out (``lift.py``); capture twins are merged before
+Inductor's pattern passes, so the model compiles as without captures (``twins.py``). A
+user's own post-grad pre and post passes keep running: ours are chained after them.
 
 With ``split_ops`` the pass runs on the whole Dynamo graph (custom-op writes) and each
 piece goes to the inner; Inductor pieces get ``PieceWritesPass`` and take their inputs
