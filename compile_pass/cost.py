@@ -61,9 +61,9 @@ def inductor_shared_storages(table: NodeTable, twins: Optional[Mapping[fx.Node, 
     """
     twins = dict(twins or {})
     into: Dict[fx.Node, fx.Node] = {}  # value -> the concat computing it into its output
-    if groups is not None:
-        inputs = [(g.cat, [(c.node, c.producer) for c in g.captures])
-                  for g in groups if g.kind is GroupKind.CONCAT]
+    if groups is not None:  # groups of an earlier version of the graph may be among them
+        inputs = [(g.cat, [(c.node, c.producer) for c in g.captures if c.node in table.position])
+                  for g in groups if g.kind is GroupKind.CONCAT and g.cat in table.position]
     else:
         inputs = [(node, [(a, None) for a in node.args[0] if isinstance(a, fx.Node)])
                   for node in table.nodes

@@ -689,6 +689,12 @@ class CaseResult:
     twin_rounding: Optional[float] = None
     #: inductor: the list build (pass off) changes the model's own output, vs no captures
     list_changes_model: bool = False
+    #: inductor: ... and the pass keeps the list build's output (a capture Inductor would
+    #: otherwise have fused away), not the build without captures'
+    model_as_list: bool = False
+    #: inductor: the list build's captures differ from eager's and the pass's equal eager's
+    #: (Inductor without the pass is wrong)
+    reference_wrong: bool = False
     detail: str = ""  # what differed
     baseline: str = ""  # on failure: the same compile with rewrite=False ("ok" / what failed)
     seconds: float = 0.0
@@ -699,6 +705,11 @@ class CaseResult:
 
     def describe(self) -> str:
         status = "ok" if self.ok else ("COMPILE FAILURE" if self.compile_error else "MISMATCH")
+        notes = [n for n, on in (("list build wrong vs eager, the pass right", self.reference_wrong),
+                                 ("model output as the list build's (a capture Inductor would fuse away)",
+                                  self.model_as_list)) if on]
+        if notes:
+            status += f" ({'; '.join(notes)})"
         s = f"[{self.inner}] {status}: {self.spec.describe()}"
         if self.compile_error:
             s += f"\n    error: {self.compile_error}"
@@ -849,11 +860,18 @@ def _compare_inductor(result: CaseResult, module: nn.Module, inputs: Sequence[to
                       out: Sequence[Any], args: Sequence[Any], ref_out: Sequence[Any],
                       ref_args: Sequence[Any], cost_model: bool,
                       inductor_options: Optional[Dict[str, Any]]) -> Optional[str]:
-    """The rule under Inductor: the model's own output and the inputs it mutates equal the
-    build without captures (``returns_captures=False``) bit for bit; the captures equal the
-    list build's, or, where they do not, the list build's with capture twins merged (then
-    ``result.twin_rounding`` records how far the list build's are: a fused vs unfused add).
-    Outputs may share storage only as the reference's do (and returned captures)."""
+    """The rule under Inductor, None where it holds, else what broke it:
+
+    - the model's own output and the inputs it mutates equal the build without captures
+      (``returns_captures=False``) bit for bit; where the list build (pass off) differs from
+      that build too and the pass equals the list build, the capture itself is what Inductor
+      would have fused away (an ``mm`` output read by a fused ``add``): counted as
+      ``model_as_list``, the pass changes nothing the list path did not;
+    - the captures equal the list build's, or, where they do not, the list build's with
+      capture twins merged (``result.twin_rounding`` records how far the list build's are:
+      a fused vs unfused add), or eager's where the list build is itself wrong
+      (``result.reference_wrong``: Inductor without the pass disagrees with eager);
+    - outputs share storage only as the reference's do (and returned captures)."""
     spec = result.spec
     module.returns_captures = False
     try:
@@ -861,21 +879,32 @@ def _compare_inductor(result: CaseResult, module: nn.Module, inputs: Sequence[to
                                            inductor_options, spec.backend_options)
     finally:
         module.returns_captures = True
+    result.list_changes_model = _difference(ref_out[:1], nc_out, "") is not None
     model_diff = _difference(out[:1], nc_out, "model output (vs the build without captures)") \
         or _difference(args, nc_args, "input after run (vs the build without captures)")
     if model_diff is not None:
-        return model_diff
-    result.list_changes_model = _difference(ref_out[:1], nc_out, "") is not None
-    capture_diff = _compare(out[1:], args, ref_out[1:], ref_args)
+        as_list = _difference(out[:1], ref_out[:1], "") is None and \
+            _difference(args, ref_args, "") is None
+        if not (result.list_changes_model and as_list):
+            return model_diff
+        result.model_as_list = True
+    packed = tuple(i - 1 for i in _packed_outputs(spec))  # positions among out[1:]
+    capture_diff = _compare(out[1:], args, ref_out[1:], ref_args, packed)
     if capture_diff is not None:
         twin_out, twin_args, _ = _compiled_run(module, inputs, "inductor", False, cost_model,
                                                inductor_options, spec.backend_options,
                                                twins_only=True)
-        if _compare(out[1:], args, twin_out[1:], twin_args) is not None:
-            return f"captures: {capture_diff} (and vs the list build with twins merged)"
-        result.twin_rounding = max(
-            ((a.double() - b.double()).abs().max().item() if a.numel() else 0.0)
-            for a, b in zip(out[1:], ref_out[1:]) if isinstance(a, torch.Tensor))
+        if _compare(out[1:], args, twin_out[1:], twin_args, packed) is None:
+            result.twin_rounding = max(
+                ((a.double() - b.double()).abs().max().item() if a.numel() else 0.0)
+                for a, b in zip(out[1:], ref_out[1:]) if isinstance(a, torch.Tensor))
+        else:
+            eager_args = _clone_inputs(inputs)
+            eager_out = tuple(module(*eager_args))
+            if _compare(out[1:], args, eager_out[1:], eager_args, packed) is not None \
+                    or _difference(ref_out[1:], eager_out[1:], "") is None:
+                return f"captures: {capture_diff} (and vs the list build with twins merged)"
+            result.reference_wrong = True
     extra = {(i, j) for i, j in _aliasing(out) - _aliasing(ref_out)
              if not (i in _packed_outputs(spec) and j in _packed_outputs(spec))}
     if extra:
@@ -1000,7 +1029,8 @@ def fuzz(n: int, inners: Sequence[str], start_seed: int = 0, inductor_every: int
                                                      groups_rewritten=0, groups_rejected=0,
                                                      outputs_rewritten=0, outputs_rejected=0,
                                                      pass_errors=0, anomalies=0, twin_rounding=0,
-                                                     twin_rounding_max=0.0, list_changes_model=0))
+                                                     twin_rounding_max=0.0, list_changes_model=0,
+                                                     model_as_list=0, reference_wrong=0))
             try:
                 r = run_case(spec, inner, cost_model=cost_model)
             except Exception as e:  # noqa: BLE001 - a bug of the generator itself: report it
@@ -1017,6 +1047,10 @@ def fuzz(n: int, inners: Sequence[str], start_seed: int = 0, inductor_every: int
                 stats["twin_rounding"] += 1
                 stats["twin_rounding_max"] = max(stats["twin_rounding_max"], r.twin_rounding)
             stats["list_changes_model"] += int(r.list_changes_model)
+            stats["model_as_list"] += int(r.model_as_list)
+            stats["reference_wrong"] += int(r.reference_wrong)
+            if r.reference_wrong or r.model_as_list:
+                details.append(r.describe())
             strategies.update(r.strategies)
             for reason in r.reasons:
                 reasons[_reason_key(reason)] += 1
@@ -1060,11 +1094,13 @@ def format_summary(summary: Dict[str, Any]) -> str:
                      f"rejected={s['groups_rejected']} pass_errors={s['pass_errors']} "
                      f"anomalies={s['anomalies']} (output groups: "
                      f"rewritten={s['outputs_rewritten']} rejected={s['outputs_rejected']})")
-        if s.get("twin_rounding") or s.get("list_changes_model"):
+        if s.get("twin_rounding") or s.get("list_changes_model") or s.get("reference_wrong"):
             lines.append(f"  {'':10s} captures as the model computes them (twins merged) where "
                          f"the list build rounds differently: {s['twin_rounding']} cases, largest "
                          f"difference {s['twin_rounding_max']:.3g}; list build (pass off) changes "
-                         f"the model's own output: {s['list_changes_model']} cases")
+                         f"the model's own output: {s['list_changes_model']} cases, of which the "
+                         f"pass keeps the list build's: {s['model_as_list']}; list build wrong vs "
+                         f"eager, the pass right: {s['reference_wrong']}")
     lines.append("  cases per knob: " + ", ".join(f"{k}: {v}" for k, v in summary["knobs"].items()))
     lines.append("  strategies: " + ", ".join(f"{k}={v}" for k, v in summary["strategies"].items()))
     lines.append("  decisions:")

@@ -340,3 +340,24 @@ def test_twin_concats_share_one_storage_without_a_cycle():
     assert shared[cats[1]] == cats[0]
     inputs = cats[0].args[0]
     assert all(shared[a] == cats[0] for a in inputs)
+
+
+@pytest.mark.parametrize("seed", [20, 90])
+def test_a_second_group_is_priced_after_the_first_is_rewritten(seed):
+    """Fuzz cases with a second concat over the first's captures: once the first group is
+    rewritten its concat is gone, and the second is priced on the new graph (it raised
+    KeyError before: Inductor's concat model read the first group's erased concat)."""
+    from compile_pass.fuzz import build_case, random_spec
+
+    spec = random_spec(seed)
+    module, inputs = build_case(spec)
+    graphs: List[fx.GraphModule] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(module, backend=backend, fullgraph=True, dynamic=False)(*[t.clone() for t in inputs])
+    result = run_capture_pass(copy_module(graphs[-1]), "dynamo_lifted", cost_model=False)
+    assert result.error is None
+    assert sum(g.decision is Decision.REWRITE for g in result.groups) >= 2
