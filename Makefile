@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 HF_PIN    ?= transformers==5.24.0
 N         ?= 1000
 
-.PHONY: demo test bench scale fuzz gpu-check clean
+.PHONY: demo test compat bench scale fuzz gpu-check clean
 
 $(VENV)/.installed-%: pyproject.toml
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -21,6 +21,32 @@ demo: $(VENV)/.installed-test
 
 test: $(VENV)/.installed-test,hf
 	$(PYTHON) -m pytest -q
+
+# The torch releases serving engines pin (SGLang 0.5.23: 2.14.1; vLLM 0.33.0 pins 2.14.0, the
+# same minor) and the GPU machine's (2.11.0), each in its own venv cached outside the clone
+# (COMPAT_DIR; CUDA builds, about 5 GB each, run on the CPU here; the first run installs them,
+# later runs reuse them). On each: a named subset of the suite (the packer, the backend with
+# each inner, the pass, piecewise and pack_outputs, the diff tool, twins and lifting, the
+# Inductor decoder tests), the checkout itself installed editable without dependencies.
+COMPAT_TORCH ?= 2.14.1 2.11.0
+COMPAT_DIR   ?= $(HOME)/.cache/compile_pass
+COMPAT_TESTS ?= tests/test_packer.py tests/test_backend.py tests/test_capture_pass.py \
+                tests/test_piecewise.py tests/test_explain.py tests/test_twins_and_lift.py \
+                tests/test_inductor.py
+compat:
+	@set -e; for v in $(COMPAT_TORCH); do \
+	  venv="$(COMPAT_DIR)/venv-torch$$v"; \
+	  if [ ! -f "$$venv/.installed" ]; then \
+	    echo "== creating $$venv (torch $$v, a CUDA build of about 5 GB)"; \
+	    $(PY) -m venv "$$venv"; \
+	    "$$venv/bin/pip" install -q "torch==$$v" numpy "pytest>=7" "hypothesis>=6"; \
+	    touch "$$venv/.installed"; \
+	  fi; \
+	  "$$venv/bin/pip" install -q --no-deps -e . >/dev/null; \
+	  echo "== torch $$v: $(COMPAT_TESTS)"; \
+	  TORCHINDUCTOR_CACHE_DIR="$(COMPAT_DIR)/inductor-cache-$$v" \
+	    "$$venv/bin/python" -m pytest -q -p no:cacheprovider $(COMPAT_TESTS); \
+	done
 
 bench: $(VENV)/.installed-test
 	PYTHONPATH=. $(PYTHON) benchmarks/capture_memory.py --out bench-results/capture_memory.json

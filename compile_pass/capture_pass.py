@@ -27,7 +27,8 @@ from compile_pass.lift import LiftedBuffers, LiftError, lift_packed_buffers
 from compile_pass.liveness import LivenessModel, MemoryTimeline
 from compile_pass.twins import capture_twins, capture_values
 from compile_pass.plan import GraphFacts, plan_group
-from compile_pass.rewrite import RewriteError, check_rewrite, compute_writes_into_slices, rewrite_group
+from compile_pass.rewrite import (RewriteError, check_rewrite, compute_writes_into_slices, rewrite_group,
+                                  writes_of_arithmetic)
 
 __all__ = ["Target", "PassResult", "run_capture_pass", "rewrite_graph", "TARGETS", "CODE_NOT_KEPT"]
 
@@ -159,6 +160,16 @@ def _liveness(graph: fx.Graph, target: Target, except_cat: Optional[fx.Node] = N
     return LivenessModel(graph, shared, table=table)
 
 
+def _liveness_without_fusion_into(state: "_GraphState", group: CaptureGroup) -> LivenessModel:
+    """The liveness of ``state``'s graph with nothing computed into ``group``'s concat (its
+    rewrite removes that fusion): the state's own model where nothing was."""
+    shared = state.liveness.computed_into
+    if not state.target.inductor_cost or (group.cat not in shared and group.cat not in shared.values()):
+        return state.liveness
+    return _liveness(state.gm.graph, state.target, except_cat=group.cat, table=state.table,
+                     twins=state.twins, groups=state.groups)
+
+
 def _mib(n: Optional[int]) -> str:
     if n is None:
         return "?"
@@ -222,19 +233,14 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
                          f"{_mib(before)}): it is reached outside {_span_names(state.liveness, span)}, "
                          f"where the rewrite changes nothing")
             return False
-        after_model = _liveness(state.gm.graph, target, except_cat=group.cat, table=state.table,
-                                twins=state.twins, groups=state.groups) \
-            if target.inductor_cost else state.liveness
-        after = planned_peak(after_model, group)
+        after = planned_peak(_liveness_without_fusion_into(state, group), group)
     else:
         # under Inductor's cost model the rewritten group's producers are no longer fused
         # into its concat, so they are priced on a model without that fusion
         if target.lift and _lifted_buffer_cannot_pay(state, group):
             return False
-        after_model = _liveness(state.gm.graph, target, except_cat=group.cat, table=state.table,
-                                twins=state.twins, groups=state.groups) \
-            if target.inductor_cost else state.liveness
-        after = planned_peak(after_model, group, buffer_born=0 if target.lift else None)
+        after = planned_peak(_liveness_without_fusion_into(state, group), group,
+                             buffer_born=0 if target.lift else None)
     group.estimated_peak_before, group.estimated_peak_after = before, after
     slack = _lift_slack(group) if target.lift else 0
     worse = after > before + slack if slack else after >= before
@@ -359,7 +365,8 @@ def _find_groups(gm: fx.GraphModule, table: NodeTable, concat: bool,
 
 def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
                      estimate: bool = False, cost_model: bool = True,
-                     pack_outputs: bool = False, concat: bool = True) -> PassResult:
+                     pack_outputs: bool = False, concat: bool = True,
+                     original: Optional[fx.Graph] = None) -> PassResult:
     """Rewrite every accepted capture group of ``gm`` (in place); never raises.
 
     ``estimate=True`` also records whole-graph memory timelines before and after, for the
@@ -367,19 +374,25 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
     the estimate says (for tests and for measuring what the estimate predicts).
     ``concat``: rewrite concats of captures; ``pack_outputs``: also make captures the
     graph returns adjacent slices of one buffer (``find_output_groups``).
+    ``original``: for a working copy (``Target.works_on_copy``), the graph it was copied
+    from, which nothing edits while ``code_before`` may be read: the code before is then
+    generated from it only if asked for.
     """
     with gc_paused():
         return _run_capture_pass(gm, TARGETS[target] if isinstance(target, str) else target,
-                                 estimate, cost_model, pack_outputs, concat)
+                                 estimate, cost_model, pack_outputs, concat, original)
 
 
 def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_model: bool,
-                      pack_outputs: bool, concat: bool) -> PassResult:
+                      pack_outputs: bool, concat: bool, original: Optional[fx.Graph]) -> PassResult:
     start = time.perf_counter()
     # the graph's own code, not gm.code: earlier passes (Inductor's) may not have recompiled.
-    # Read later from the graph itself while the pass leaves it unchanged and nothing else
-    # edits it (a graph run as is, or the backend's working copy), else kept before changes
-    unchanged = gm.graph if target.runs_as_is or target.works_on_copy else None
+    # Read later from a graph nothing edits: a working copy's original, or the graph itself
+    # while the pass leaves it unchanged (a graph run as is); else kept before the first change
+    if original is not None and target.works_on_copy:
+        unchanged: Optional[fx.Graph] = original
+    else:
+        unchanged = gm.graph if target.runs_as_is or target.works_on_copy else None
     result = PassResult(target.name, [], None, None, _unchanged_graph=unchanged)
     if estimate:
         result.keep_code_before(gm.graph)
@@ -456,6 +469,8 @@ def _lifted_bytes(gm: fx.GraphModule, lifted: LiftedBuffers) -> int:
 def _writes_into_slices(gm: fx.GraphModule, result: PassResult) -> bool:
     """Writes of capture-only arithmetic (a packer's ``append(hidden + residual)``) computed
     into their slices (``rewrite.compute_writes_into_slices``); True if any was."""
+    if not writes_of_arithmetic(gm.graph):
+        return False
     table = NodeTable(gm.graph)
     twinned = capture_twins(capture_values(gm.graph, table, []), table)
     done = compute_writes_into_slices(gm.graph, table, frozenset(twinned) | frozenset(twinned.values()))

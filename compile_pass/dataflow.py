@@ -257,6 +257,8 @@ class NodeTable:
         self.storages: Dict[fx.Node, List[Hashable]] = {}
         self.writes: Dict[fx.Node, List[fx.Node]] = {}  # node -> inputs it writes (writers only)
         self.mutators: Dict[fx.Node, List[fx.Node]] = {}  # written node -> its writers, in order
+        #: storage -> its bytes at the example sizes, filled by the liveness models built on it
+        self.storage_bytes: Dict[Hashable, int] = {}
         position, inputs, value, key = self.position, self.inputs, self.value, self.key
         tensors, storages, writes, mutators = self.tensors, self.storages, self.writes, self.mutators
         for i, node in enumerate(self.nodes):  # locals only: this loop is the pass's widest

@@ -88,6 +88,8 @@ class LivenessModel:
         # output node (its metadata may even describe values a rewrite replaced)
         self.keys_of: Dict[fx.Node, List[Hashable]] = dict(table.storages)
         source_of: Dict[fx.Node, fx.Node] = dict(computed_into or {})
+        #: value -> the value whose storage it holds (the ``computed_into`` given)
+        self.computed_into: Mapping[fx.Node, fx.Node] = source_of
         for node, target in source_of.items():
             self.keys_of[node] = table.storages[target]
         self._table, self._computed_into = table, bool(source_of)
@@ -96,7 +98,7 @@ class LivenessModel:
         size: Dict[Hashable, int] = {}
         last: Dict[Hashable, int] = {}  # = last_read(key), filled in the same sweep
         preexisting = set()
-        keys_of = self.keys_of
+        keys_of, sizes = self.keys_of, table.storage_bytes
         for i, node in enumerate(self.nodes):
             time = 2 * i
             if node.op == "output":  # what it returns is read at the end
@@ -116,7 +118,10 @@ class LivenessModel:
                 if is_input:
                     preexisting.add(key)
                 else:
-                    born[key], size[key] = time, _storage_bytes(t)
+                    born[key] = time
+                    if key not in sizes:
+                        sizes[key] = _storage_bytes(t)
+                    size[key] = sizes[key]
         self.intervals: Dict[Hashable, Interval] = {
             key: Interval(size[key], start, last[key]) for key, start in born.items()
         }

@@ -232,6 +232,18 @@ def rewrite_group(graph: fx.Graph, group: CaptureGroup) -> fx.Node:
     return buffer
 
 
+def writes_of_arithmetic(graph: fx.Graph) -> bool:
+    """Whether ``graph`` has a ``write_slice_`` of an add/sub/mul/div read by it alone: the
+    candidates of ``compute_writes_into_slices`` (a sweep without facts, to skip building them)."""
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _WRITES and len(node.args) > 1:
+            src = node.args[1]
+            if isinstance(src, fx.Node) and src.op == "call_function" and len(src.users) == 1 \
+                    and exact_binary_op(src) is not None:
+                return True
+    return False
+
+
 def compute_writes_into_slices(graph: fx.Graph, table: NodeTable,
                                twinned: AbstractSet[fx.Node] = frozenset()) -> int:
     """Replace ``write_slice_(buf, src, dim, start)`` calls whose ``src`` is a capture-only
