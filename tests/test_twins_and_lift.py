@@ -361,3 +361,17 @@ def test_a_second_group_is_priced_after_the_first_is_rewritten(seed):
     result = run_capture_pass(copy_module(graphs[-1]), "dynamo_lifted", cost_model=False)
     assert result.error is None
     assert sum(g.decision is Decision.REWRITE for g in result.groups) >= 2
+
+
+def test_a_working_copys_code_before_is_read_from_its_original():
+    """The inductor inner hands the pass Dynamo's own graph as ``original``: the code before
+    is generated from it only when read, and it is the graph before the rewrite."""
+    x, w = torch.randn(12, 8), torch.randn(8, 8)
+    gm = _dynamo_graph(_packer_model, x, w)
+    expected = gm.graph.python_code("self").src
+    work = copy_module(gm)
+    result = run_capture_pass(work, "dynamo_lifted", original=gm.graph)
+    assert result.error is None and result.lifted is not None
+    assert result._code_before is None  # nothing generated during the pass
+    assert result.code_before == expected
+    assert result.code_after != result.code_before
