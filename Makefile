@@ -26,13 +26,18 @@ test: $(VENV)/.installed-test,hf
 # same minor) and the GPU machine's (2.11.0), each in its own venv cached outside the clone
 # (COMPAT_DIR; CUDA builds, about 5 GB each, run on the CPU here; the first run installs them,
 # later runs reuse them). On each: a named subset of the suite (the packer, the backend with
-# each inner, the pass, piecewise and pack_outputs, the diff tool, twins and lifting, the
-# Inductor decoder tests), the checkout itself installed editable without dependencies.
+# each inner, the pass, piecewise and pack_outputs, the diff tool, twins and lifting, and an
+# Inductor sample marked ``compat``: the SGLang-style decoder reaching the packed bytes, the
+# default Inductor compile bitwise), the checkout itself installed editable without
+# dependencies. Measured on this 2-core VM: COMPAT_MEASURED per release.
 COMPAT_TORCH ?= 2.14.1 2.11.0
 COMPAT_DIR   ?= $(HOME)/.cache/compile_pass
 COMPAT_TESTS ?= tests/test_packer.py tests/test_backend.py tests/test_capture_pass.py \
                 tests/test_piecewise.py tests/test_explain.py tests/test_twins_and_lift.py \
                 tests/test_inductor.py
+COMPAT_MARKS ?= not inductor or compat
+# left out for time: the same checks on bigger graphs (DeepSeek-shaped fixtures, one split run)
+COMPAT_SKIP  ?= not node_table_agrees and not changed_span_bounds and not split_piecewise_peak
 compat:
 	@set -e; for v in $(COMPAT_TORCH); do \
 	  venv="$(COMPAT_DIR)/venv-torch$$v"; \
@@ -45,7 +50,7 @@ compat:
 	  "$$venv/bin/pip" install -q --no-deps -e . >/dev/null; \
 	  echo "== torch $$v: $(COMPAT_TESTS)"; \
 	  TORCHINDUCTOR_CACHE_DIR="$(COMPAT_DIR)/inductor-cache-$$v" \
-	    "$$venv/bin/python" -m pytest -q -p no:cacheprovider $(COMPAT_TESTS); \
+	    "$$venv/bin/python" -m pytest -q -p no:cacheprovider -m "$(COMPAT_MARKS)" -k "$(COMPAT_SKIP)" $(COMPAT_TESTS); \
 	done
 
 bench: $(VENV)/.installed-test

@@ -161,11 +161,13 @@ def _overhead(runs: Dict[str, Run], name: str) -> float:
     return (runs[name].peak - runs["none"].peak) / packed
 
 
+@pytest.mark.compat  # make compat's Inductor sample
 def test_list_path_pays_a_transient_under_inductor(memory_runs):
     # the precondition of the next test: without the pass there is something to remove
     assert _overhead(memory_runs, "list") >= 1.3
 
 
+@pytest.mark.compat  # make compat's Inductor sample
 @pytest.mark.parametrize("name", ["list+pass", "packer+pass"])
 def test_pass_reaches_the_packed_bytes_under_inductor(memory_runs, name):
     assert _overhead(memory_runs, name) <= 1.0 + 1 / 64  # allocator granularity: [T, 1] stats
@@ -175,6 +177,7 @@ def test_pass_reaches_the_packed_bytes_under_inductor(memory_runs, name):
     assert torch.equal(run.aux, memory_runs["list"].aux)  # inner 128: addmm == mm + add here
 
 
+@pytest.mark.compat  # make compat's Inductor sample
 def test_list_group_is_rewritten_on_the_dynamo_graph_and_lifted(memory_runs):
     backend = memory_runs["list+pass"].backend
     groups = [g for r in backend.results for g in r.groups if g.k == len(MEMORY.capture_layers)]
@@ -184,6 +187,7 @@ def test_list_group_is_rewritten_on_the_dynamo_graph_and_lifted(memory_runs):
     assert lifted and lifted[-1].buffers[0].sizes[1] == len(MEMORY.capture_layers) * MEMORY.hidden
 
 
+@pytest.mark.compat  # make compat's Inductor sample
 def test_user_post_grad_passes_keep_running(memory_runs):
     c = memory_runs["list+pass"].counters
     assert c["user_pre_calls"] >= 1 and c["user_post_calls"] >= 1
