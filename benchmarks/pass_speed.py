@@ -79,6 +79,9 @@ class _Recorder(AuxCaptureBackend):
 #: row -> the inner whose graph it is timed on, and what runs on it (a pass target, or
 #: TWINS: Inductor's pre pass)
 TWINS = "twins"
+#: ``--keep-code-before``: run the working-copy target as the backend does (the graph's code
+#: before the rewrite generated during the pass, for the results and the diff tool)
+KEEP_CODE_BEFORE = False
 _ROWS = {"eager": ("eager", "dynamo"), "aot_eager": ("aot_eager", "aot"),
          "inductor": ("eager", "dynamo_lifted"), "inductor_twins": ("aot_eager", TWINS),
          "post_grad": ("aot_eager", "post_grad")}
@@ -86,10 +89,12 @@ _ROWS = {"eager": ("eager", "dynamo"), "aot_eager": ("aot_eager", "aot"),
 
 def run_timed(gm: fx.GraphModule, target: str, original: Optional[fx.Graph] = None) -> PassResult:
     """One run of ``target`` on ``gm`` (in place), as a PassResult (``seconds``: wall time).
-    ``original``: the graph ``gm`` copies, handed on as the backend hands its working copy's
-    (the code before is then generated only if read)."""
+    ``original``: the graph ``gm`` copies, which this script owns: the code before is then
+    generated only if read (the backend cannot do that with Dynamo's graph and generates it
+    during the pass: ``--keep-code-before`` times that)."""
     if target != TWINS:
-        if original is not None and "original" in inspect.signature(run_capture_pass).parameters:
+        if original is not None and not KEEP_CODE_BEFORE \
+                and "original" in inspect.signature(run_capture_pass).parameters:
             return run_capture_pass(gm, target, original=original)
         return run_capture_pass(gm, target)
     from compile_pass.twins import merge_capture_twins
@@ -235,8 +240,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--profile", action="store_true", help="cProfile one pass on the largest graph")
     parser.add_argument("--repo", default=_HERE, help="checkout whose compile_pass and models to time")
+    parser.add_argument("--keep-code-before", action="store_true",
+                        help="generate the code before during the pass, as the backend does")
     _report.add_output_args(parser, render_help="print an earlier run's JSON as markdown tables, run nothing")
     args = parser.parse_args(argv)
+    global KEEP_CODE_BEFORE
+    KEEP_CODE_BEFORE = args.keep_code_before
     if args.render:
         return _report.render(args.render, "python benchmarks/pass_speed.py", format_saved)
     if args.repeats < 1:

@@ -198,12 +198,12 @@ class AuxCaptureBackend:
             return self._compile_inductor(gm, example_inputs, rewrite_inside=False)
         work = copy_module(gm)
         result = run_capture_pass(work, "dynamo_lifted", estimate=self._estimate,
-                                  cost_model=self.cost_model, pack_outputs=self.pack_outputs,
-                                  original=gm.graph)
+                                  cost_model=self.cost_model, pack_outputs=self.pack_outputs)
+        # no ``original=gm.graph``: Dynamo owns its graph and may empty it once the backend
+        # returns (a restarted analysis did), so the code before is generated from the copy
         self.results.append(result)
         self._on_result(result, work.graph)
         if result.error is not None:
-            result.keep_code_before(gm.graph)  # now: compiling Dynamo's graph may run passes on it
             return self._compile_inductor(gm, example_inputs, rewrite_inside=False)
         after_aot = any(g.packed_value is not None and g.packed_value.requires_grad
                         for g in result.groups)

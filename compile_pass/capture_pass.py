@@ -375,7 +375,8 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
     ``concat``: rewrite concats of captures; ``pack_outputs``: also make captures the
     graph returns adjacent slices of one buffer (``find_output_groups``).
     ``original``: for a working copy (``Target.works_on_copy``), the graph it was copied
-    from, which nothing edits while ``code_before`` may be read: the code before is then
+    from, if the caller owns it and nothing edits it while ``code_before`` may be read (not
+    Dynamo's graph: Dynamo may empty it after the backend returns): the code before is then
     generated from it only if asked for.
     """
     with gc_paused():

@@ -364,8 +364,9 @@ def test_a_second_group_is_priced_after_the_first_is_rewritten(seed):
 
 
 def test_a_working_copys_code_before_is_read_from_its_original():
-    """The inductor inner hands the pass Dynamo's own graph as ``original``: the code before
-    is generated from it only when read, and it is the graph before the rewrite."""
+    """A caller that owns the graph a working copy was made from hands it as ``original``:
+    the code before is generated from it only when read, and it is the graph before the
+    rewrite."""
     x, w = torch.randn(12, 8), torch.randn(8, 8)
     gm = _dynamo_graph(_packer_model, x, w)
     expected = gm.graph.python_code("self").src
