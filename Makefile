@@ -26,18 +26,22 @@ test: $(VENV)/.installed-test,hf
 # same minor) and the GPU machine's (2.11.0), each in its own venv cached outside the clone
 # (COMPAT_DIR; CUDA builds, about 5 GB each, run on the CPU here; the first run installs them,
 # later runs reuse them). On each: a named subset of the suite (the packer, the backend with
-# each inner, the pass, piecewise and pack_outputs, the diff tool, twins and lifting, and an
-# Inductor sample marked ``compat``: the SGLang-style decoder reaching the packed bytes, the
-# default Inductor compile bitwise), the checkout itself installed editable without
-# dependencies. Measured on this 2-core VM: COMPAT_MEASURED per release.
+# each inner running the pass, piecewise and pack_outputs, the diff tool, twins and lifting
+# (the pass's internals on traced graphs, tests/test_capture_pass.py, stay in make test), an
+# Inductor sample marked ``compat``: the SGLang-style decoder reaching the packed bytes), the
+# checkout itself installed editable without
+# dependencies. Measured on this 2-core VM once installed: 2.14.1, 229 passed in 174 s.
 COMPAT_TORCH ?= 2.14.1 2.11.0
 COMPAT_DIR   ?= $(HOME)/.cache/compile_pass
-COMPAT_TESTS ?= tests/test_packer.py tests/test_backend.py tests/test_capture_pass.py \
+COMPAT_TESTS ?= tests/test_packer.py tests/test_backend.py \
                 tests/test_piecewise.py tests/test_explain.py tests/test_twins_and_lift.py \
                 tests/test_inductor.py
 COMPAT_MARKS ?= not inductor or compat
-# left out for time: the same checks on bigger graphs (DeepSeek-shaped fixtures, one split run)
-COMPAT_SKIP  ?= not node_table_agrees and not changed_span_bounds and not split_piecewise_peak
+# left out for time: the same checks on bigger graphs (DeepSeek-shaped fixtures, one split
+# run), the diff tool's CLI (its report stays) and the aot_eager twins of eager piecewise tests
+COMPAT_SKIP  ?= not node_table_agrees and not changed_span_bounds and not split_piecewise_peak \
+                and not cli_diff and not split_aot_eager and not (split_ops_pieces_equal and aot_eager) \
+                and not (pack_outputs_returns_adjacent and aot_eager)
 compat:
 	@set -e; for v in $(COMPAT_TORCH); do \
 	  venv="$(COMPAT_DIR)/venv-torch$$v"; \

@@ -434,7 +434,6 @@ def fused_inductor_ref():
 
 
 @pytest.mark.inductor
-@pytest.mark.compat  # make compat's Inductor sample
 def test_inductor_default_matches_inductor_without_pass(fused_inductor_ref):
     model, inputs, ref = fused_inductor_ref
     with _no_graph_caches():
