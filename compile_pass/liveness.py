@@ -92,7 +92,7 @@ class LivenessModel:
         self.computed_into: Mapping[fx.Node, fx.Node] = source_of
         for node, target in source_of.items():
             self.keys_of[node] = table.storages[target]
-        self._table, self._computed_into = table, bool(source_of)
+        self._table = table
         self._nodes_of: Optional[Dict[Hashable, List[fx.Node]]] = None
         born: Dict[Hashable, int] = {}
         size: Dict[Hashable, int] = {}
@@ -131,7 +131,7 @@ class LivenessModel:
     def nodes_of(self) -> Dict[Hashable, List[fx.Node]]:
         """Storage -> the nodes holding it, in graph order: the table's ``holders``
         unless values are computed into others' storages (then built on first use)."""
-        if not self._computed_into:
+        if not self.computed_into:
             return self._table.holders
         if self._nodes_of is None:
             self._nodes_of = holders_of(self.keys_of)

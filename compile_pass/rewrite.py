@@ -232,16 +232,22 @@ def rewrite_group(graph: fx.Graph, group: CaptureGroup) -> fx.Node:
     return buffer
 
 
+def _arithmetic_written(node: fx.Node) -> Optional[fx.Node]:
+    """The source of ``node`` if it is a ``write_slice_`` of an add/sub/mul/div that
+    ``binary_into_slice_`` can compute and that the write alone reads, else None."""
+    if node.op != "call_function" or node.target not in _WRITES or len(node.args) < 2:
+        return None
+    src = node.args[1]
+    if not isinstance(src, fx.Node) or src.op != "call_function" or len(src.users) != 1 \
+            or exact_binary_op(src) is None:
+        return None
+    return src
+
+
 def writes_of_arithmetic(graph: fx.Graph) -> bool:
-    """Whether ``graph`` has a ``write_slice_`` of an add/sub/mul/div read by it alone: the
-    candidates of ``compute_writes_into_slices`` (a sweep without facts, to skip building them)."""
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in _WRITES and len(node.args) > 1:
-            src = node.args[1]
-            if isinstance(src, fx.Node) and src.op == "call_function" and len(src.users) == 1 \
-                    and exact_binary_op(src) is not None:
-                return True
-    return False
+    """Whether ``graph`` has a candidate of ``compute_writes_into_slices`` (a sweep without
+    facts, to skip building them)."""
+    return any(_arithmetic_written(node) is not None for node in graph.nodes)
 
 
 def compute_writes_into_slices(graph: fx.Graph, table: NodeTable,
@@ -251,13 +257,13 @@ def compute_writes_into_slices(graph: fx.Graph, table: NodeTable,
     written in between) by ``binary_into_slice_(buf, a, b, op, dim, start)``: a packer's
     ``aux.append(hidden + residual)`` then needs no temporary. Returns how many."""
     done = 0
-    for write in [n for n in table.nodes if n.op == "call_function" and n.target in _WRITES]:
-        buf, src, dim, start = (list(write.args) + [None] * 4)[:4]
-        if not isinstance(src, fx.Node) or src.op != "call_function" or len(src.users) != 1 \
-                or src in twinned or classify_producer(src, table) is not Producer.EXACT_ARITHMETIC:
+    for write in list(table.nodes):
+        src = _arithmetic_written(write)
+        if src is None or src in twinned or classify_producer(src, table) is not Producer.EXACT_ARITHMETIC:
             continue
+        buf, _, dim, start = (list(write.args) + [None] * 4)[:4]
         op = exact_binary_op(src)
-        if op is None or not isinstance(dim, int) or not isinstance(start, int):
+        if not isinstance(dim, int) or not isinstance(start, int):
             continue
         first, last = table.position[src], table.position[write]
         if any(first < table.position[w] < last for a in src.all_input_nodes
