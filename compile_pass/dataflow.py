@@ -259,25 +259,49 @@ class NodeTable:
         self.mutators: Dict[fx.Node, List[fx.Node]] = {}  # written node -> its writers, in order
         #: storage -> its bytes at the example sizes, filled by the liveness models built on it
         self.storage_bytes: Dict[Hashable, int] = {}
+        #: the graph's liveness model with nothing computed into anything (a
+        #: ``liveness.LivenessModel``), set by the first one built on this table: models with
+        #: ``computed_into`` are derived from it
+        self.plain_liveness: Optional[Any] = None
+        #: storage -> the storage object (``storage_bytes`` reads its size on first need)
+        self.storage: Dict[Hashable, Any] = {}
         position, inputs, value, key = self.position, self.inputs, self.value, self.key
         tensors, storages, writes, mutators = self.tensors, self.storages, self.writes, self.mutators
+        storage_of = self.storage
+        functional: Dict[Any, bool] = {}  # target -> its schema writes nothing (no args needed)
+        Tensor = torch.Tensor
         for i, node in enumerate(self.nodes):  # locals only: this loop is the pass's widest
             position[node] = i
             inputs[node] = node.all_input_nodes
             meta = node.meta
             raw = meta["val"] if "val" in meta else meta.get("example_value")
-            if isinstance(raw, torch.Tensor):
-                k = storage_key(raw)
+            if isinstance(raw, Tensor):
+                try:  # storage_key, inline: one call per node
+                    storage = raw.untyped_storage()
+                    k: Hashable = storage._cdata
+                    storage_of[k] = storage
+                except (NotImplementedError, RuntimeError):
+                    k = None
                 value[node], key[node] = raw, k
                 tensors[node] = [raw]
                 storages[node] = [k or ("object", id(raw))]
             else:
                 value[node] = key[node] = None
-                many = [v for v in raw if isinstance(v, torch.Tensor)] \
+                many = [v for v in raw if isinstance(v, Tensor)] \
                     if isinstance(raw, (list, tuple)) else []
                 tensors[node] = many
                 storages[node] = [storage_key(t) or ("object", id(t)) for t in many]
-            if node.op == "call_function" or node.op == "call_method":
+            op = node.op
+            if op == "call_function" or op == "call_method":
+                target = node.target
+                try:
+                    if functional[target]:
+                        continue
+                except KeyError:
+                    spec = _mutation_spec(op, target)
+                    functional[target] = spec[0] and not spec[1]
+                except TypeError:  # an unhashable target
+                    pass
                 written = mutated_inputs(node)
                 if written:
                     writes[node] = written

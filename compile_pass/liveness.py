@@ -74,31 +74,52 @@ def _storage_bytes(t: torch.Tensor) -> int:
 
 
 class LivenessModel:
-    """Storage intervals of one graph (see the module docstring for the model)."""
+    """Storage intervals of one graph (see the module docstring for the model).
+
+    A model with ``computed_into`` is derived from the table's plain model (built once per
+    ``NodeTable`` and kept on it): only the storages of the values computed into others and
+    of their targets are recomputed, and the plain timeline is patched by their difference.
+    Equal, interval for interval, to building it from scratch (``_from_scratch=True``,
+    which the tests compare against).
+    """
 
     def __init__(self, graph: fx.Graph,
                  computed_into: Optional[Mapping[fx.Node, fx.Node]] = None,
-                 table: Optional[NodeTable] = None) -> None:
+                 table: Optional[NodeTable] = None, *, _from_scratch: bool = False) -> None:
         table = NodeTable.of(graph, table)
         self.nodes = table.nodes
         self.position = table.position
         self.end = 2 * len(self.nodes)
-        tensors, inputs_of = table.tensors, table.inputs
-        # storages each node holds: its own, those of the value computed into, none for the
-        # output node (its metadata may even describe values a rewrite replaced)
-        self.keys_of: Dict[fx.Node, List[Hashable]] = dict(table.storages)
+        self._table = table
+        self._nodes_of: Optional[Dict[Hashable, List[fx.Node]]] = None
         source_of: Dict[fx.Node, fx.Node] = dict(computed_into or {})
         #: value -> the value whose storage it holds (the ``computed_into`` given)
         self.computed_into: Mapping[fx.Node, fx.Node] = source_of
+        # storages each node holds: its own, those of the value computed into, none for the
+        # output node (its metadata may even describe values a rewrite replaced)
+        self.keys_of: Dict[fx.Node, List[Hashable]] = dict(table.storages)
         for node, target in source_of.items():
             self.keys_of[node] = table.storages[target]
-        self._table = table
-        self._nodes_of: Optional[Dict[Hashable, List[fx.Node]]] = None
+        if source_of and not _from_scratch:
+            plain = table.plain_liveness
+            if not isinstance(plain, LivenessModel):
+                plain = LivenessModel(graph, table=table)
+            self._derive(plain)
+            return
+        self.intervals: Dict[Hashable, Interval] = self._swept_intervals(source_of)
+        self._sweep_timeline()
+        if not source_of and table.plain_liveness is None:
+            table.plain_liveness = self
+
+    def _swept_intervals(self, source_of: Mapping[fx.Node, fx.Node]) -> Dict[Hashable, Interval]:
+        """Every storage's interval, in one sweep over the nodes."""
+        table = self._table
+        tensors, inputs_of = table.tensors, table.inputs
         born: Dict[Hashable, int] = {}
         size: Dict[Hashable, int] = {}
         last: Dict[Hashable, int] = {}  # = last_read(key), filled in the same sweep
         preexisting = set()
-        keys_of, sizes = self.keys_of, table.storage_bytes
+        keys_of, sizes, storage_of = self.keys_of, table.storage_bytes, table.storage
         for i, node in enumerate(self.nodes):
             time = 2 * i
             if node.op == "output":  # what it returns is read at the end
@@ -120,12 +141,61 @@ class LivenessModel:
                 else:
                     born[key] = time
                     if key not in sizes:
-                        sizes[key] = _storage_bytes(t)
+                        storage = storage_of.get(key)
+                        sizes[key] = hint(storage.nbytes()) if storage is not None else _storage_bytes(t)
                     size[key] = sizes[key]
-        self.intervals: Dict[Hashable, Interval] = {
-            key: Interval(size[key], start, last[key]) for key, start in born.items()
-        }
-        self._sweep_timeline()
+        return {key: Interval(size[key], start, last[key]) for key, start in born.items()}
+
+    def _derive(self, plain: "LivenessModel") -> None:
+        """This model's intervals and timeline from ``plain`` (same table, nothing computed
+        into anything): the storages ``computed_into`` touches get the intervals their new
+        holders give them, as the sweep would; every other interval is the plain one."""
+        table, source_of = self._table, self.computed_into
+        for node in reversed(self.nodes):  # the output node holds nothing (as in the sweep)
+            if node.op == "output":
+                self.keys_of[node] = []
+                break
+        touched: Dict[Hashable, None] = {}
+        for node, target in source_of.items():
+            touched.update(dict.fromkeys(table.storages[node]))
+            touched.update(dict.fromkeys(table.storages[target]))
+        holders: Dict[Hashable, List[fx.Node]] = {
+            key: [n for n in table.holders.get(key, ()) if n not in source_of] for key in touched}
+        for node in source_of:
+            if node.op != "output":
+                for key in self.keys_of[node]:
+                    holders[key].append(node)
+        position, end = self.position, self.end
+        changes: Dict[Hashable, Optional[Interval]] = {}
+        for key in touched:
+            nodes = sorted(holders[key], key=position.__getitem__)
+            holders[key] = nodes
+            interval = None
+            if nodes and nodes[0].op not in ("placeholder", "get_attr"):
+                last = 0
+                for node in nodes:
+                    last = max(last, 2 * position[node])
+                    for user in node.users:
+                        last = max(last, end if user.op == "output" else 2 * position[user])
+                first = nodes[0]
+                if key not in table.storage_bytes:
+                    tensor = table.tensors[source_of.get(first, first)][
+                        self.keys_of[first].index(key)]
+                    table.storage_bytes[key] = _storage_bytes(tensor)
+                interval = Interval(table.storage_bytes[key], 2 * position[first], last)
+            if interval != plain.intervals.get(key):
+                changes[key] = interval
+        self.intervals = dict(plain.intervals)
+        for key, interval in changes.items():
+            if interval is None:
+                self.intervals.pop(key, None)
+            else:
+                self.intervals[key] = interval
+        self._nodes_of = {**table.holders, **holders}
+        self._base = plain.live_bytes(changes) if changes else plain._base
+        self._peak = max(self._base, default=0)
+        self._block_max = [max(self._base[i:i + _BLOCK]) for i in range(0, len(self._base), _BLOCK)] \
+            if changes else plain._block_max
 
     @property
     def nodes_of(self) -> Dict[Hashable, List[fx.Node]]:

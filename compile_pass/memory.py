@@ -53,9 +53,14 @@ def _device_of(fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict) -> t
     return torch.device("cpu")
 
 
-#: what the profiler's C++ side prints on every start and stop (kineto's USDT probes, torch
-#: 2.13 and 2.14), and nothing else: the only lines ``_profiler_chatter_dropped`` drops
-_PROFILER_CHATTER = re.compile(r"^USDT:.*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)\s*$")
+#: what the profiler's C++ side prints around a CPU-only measurement, and nothing else: the
+#: only lines ``_profiler_chatter_dropped`` drops. Kineto's USDT probes on every start and
+#: stop (torch 2.13 and 2.14), and, with a CUDA build of torch on a machine without a CUDA
+#: driver (torch 2.14.1 here), kineto's one-time device query as it stops (code 35: no
+#: driver), which says nothing about a measurement of CPU allocations.
+_PROFILER_CHATTER = re.compile(
+    r"^(USDT:.*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)"
+    r"|ERROR:.*DeviceProperties\.cpp:\d+\] gpuGetDeviceCount failed with code \d+)\s*$")
 
 
 @contextlib.contextmanager

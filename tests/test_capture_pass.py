@@ -7,6 +7,7 @@ backends; each rewritten graph is run as is and compared bitwise with the origin
 from __future__ import annotations
 
 import operator
+import random
 from typing import Callable, List
 
 import pytest
@@ -506,3 +507,37 @@ def test_hoisted_plans_are_priced_as_their_rewritten_graph(post_grad_graphs, nam
             assert planned_peak(model, group) == _liveness(trial, TARGETS[target]).peak(), \
                 (group.key, reorder)
         assert hoisted > 0 or not reorder
+
+
+def _liveness_facts(model):
+    return (model.intervals, model.live_bytes(), model.peak(), model.keys_of,
+            {key: list(nodes) for key, nodes in model.nodes_of.items() if nodes})
+
+
+@pytest.mark.parametrize("name", ["deepseek", "dflash"])
+def test_derived_liveness_equals_a_sweep_from_scratch(post_grad_graphs, name):
+    """A model with ``computed_into`` is derived from the table's plain model; it equals the
+    whole-graph sweep with that map, for Inductor's own concat map and for random maps
+    (values computed into later or earlier values, graph inputs, chains)."""
+    from compile_pass.capture_pass import _liveness
+    from compile_pass.dataflow import NodeTable
+    from compile_pass.liveness import LivenessModel
+
+    gm = post_grad_graphs[name]
+    table = NodeTable(gm.graph)
+    inductor = _liveness(gm.graph, TARGETS["post_grad"], table=table)
+    assert inductor.computed_into, "Inductor computes some producers into a concat here"
+    maps = [dict(inductor.computed_into)]
+    rng = random.Random(0)
+    values = [n for n in table.nodes if table.storages[n] and n.op != "output"]
+    for _ in range(20):
+        maps.append({rng.choice(values): rng.choice(values) for _ in range(rng.randint(1, 12))})
+    for computed_into in maps:
+        computed_into = {n: t for n, t in computed_into.items() if n is not t}
+        derived = LivenessModel(gm.graph, computed_into, table=table)
+        swept = LivenessModel(gm.graph, computed_into, table=table, _from_scratch=True)
+        assert _liveness_facts(derived) == _liveness_facts(swept)
+        probe = next(iter(derived.intervals))
+        assert derived.last_read(probe) == swept.last_read(probe)
+    assert table.plain_liveness is not None
+    assert _liveness_facts(table.plain_liveness) == _liveness_facts(LivenessModel(gm.graph))

@@ -234,6 +234,9 @@ def test_chatter_filter_keeps_other_lines(capfd):
 
     with _profiler_chatter_dropped():
         os.write(2, b"USDT:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"ERROR:2026-12-03 13:00:17 1:1 DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35\n")
         os.write(2, b"a real warning\n")
+        os.write(2, b"ERROR:2026-12-03 13:00:17 1:1 Other.cpp:9] gpuGetDeviceCount failed with code 35\n")
     err = capfd.readouterr().err
-    assert err == "a real warning\n"
+    assert err == ("a real warning\n"
+                   "ERROR:2026-12-03 13:00:17 1:1 Other.cpp:9] gpuGetDeviceCount failed with code 35\n")
