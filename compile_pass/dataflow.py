@@ -263,16 +263,20 @@ class NodeTable:
         #: ``liveness.LivenessModel``), set by the first one built on this table: models with
         #: ``computed_into`` are derived from it
         self.plain_liveness: Optional[Any] = None
+        #: node -> the last node (in graph order) whose inputs include it; absent if unread
+        self.last_reader: Dict[fx.Node, fx.Node] = {}
         #: storage -> the storage object (``storage_bytes`` reads its size on first need)
         self.storage: Dict[Hashable, Any] = {}
         position, inputs, value, key = self.position, self.inputs, self.value, self.key
         tensors, storages, writes, mutators = self.tensors, self.storages, self.writes, self.mutators
-        storage_of = self.storage
+        storage_of, last_reader = self.storage, self.last_reader
         functional: Dict[Any, bool] = {}  # target -> its schema writes nothing (no args needed)
         Tensor = torch.Tensor
         for i, node in enumerate(self.nodes):  # locals only: this loop is the pass's widest
             position[node] = i
-            inputs[node] = node.all_input_nodes
+            inputs[node] = ins = node.all_input_nodes
+            for arg in ins:
+                last_reader[arg] = node  # graph order: the latest reader so far
             meta = node.meta
             raw = meta["val"] if "val" in meta else meta.get("example_value")
             if isinstance(raw, Tensor):

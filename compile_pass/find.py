@@ -13,7 +13,7 @@ import collections
 import functools
 import math
 import operator
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -42,12 +42,15 @@ LAYER_DEPTH = 2
 
 def aten_packet(node: fx.Node) -> Optional[torch._ops.OpOverloadPacket]:
     """The aten (or custom) op packet a node calls, whatever IR spells it."""
-    target = node.target
+    return _packet_of(node.op, node.target)
+
+
+def _packet_of(op: str, target: object) -> Optional[torch._ops.OpOverloadPacket]:
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target
-    if node.op == "call_method":
+    if op == "call_method":
         name = target
     else:
         name = _OPERATOR_NAMES.get(target) or getattr(target, "__name__", None)
@@ -89,36 +92,50 @@ def classify_producer(node: fx.Node, table: Optional[NodeTable] = None) -> Produ
         return Producer.VIEW if shares_storage(source.all_input_nodes) else Producer.OTHER
     if shares_storage(node.all_input_nodes):
         return Producer.VIEW
-    if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
-        return Producer.CUSTOM_OP
-    target = node.target
+    try:
+        kind, exact = _kind_of_target(node.op, node.target)
+    except TypeError:  # an unhashable target
+        kind, exact = _kind_of_target.__wrapped__(node.op, node.target)
+    if kind is not Producer.POINTWISE:
+        return kind
+    if exact:
+        inputs = [value_of(a) for a in node.all_input_nodes if value_of(a) is not None]
+        if value is not None and len(inputs) == 2 and all(v.dtype == value.dtype for v in inputs):
+            return Producer.EXACT_ARITHMETIC
+    return Producer.POINTWISE
+
+
+@functools.lru_cache(maxsize=4096)  # a graph calls a few ops many times
+def _kind_of_target(op: str, target: object) -> Tuple[Producer, bool]:
+    """What a call of ``target`` produces, from the op alone (its namespace, packet name
+    and tags): CUSTOM_OP, CLONE, MATMUL, BATCHED_MATMUL, POINTWISE or OTHER, and whether a
+    pointwise op is correctly rounded add/sub/mul/div (EXACT_ARITHMETIC when its two
+    inputs and output share a dtype)."""
+    if op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator):
+        return Producer.CUSTOM_OP, False
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         qualified = target._schema.name if isinstance(target, torch._ops.OpOverload) \
             else target._qualified_op_name  # "aten::mul"
         namespace = qualified.split("::")[0]
         if namespace not in ("aten", "prims"):
-            return Producer.CUSTOM_OP
-    packet = aten_packet(node)
+            return Producer.CUSTOM_OP, False
+    packet = _packet_of(op, target)
     if packet is None:
-        return Producer.OTHER
+        return Producer.OTHER, False
     name = packet.__name__.split(".")[-1]
     if name in _CLONE:
-        return Producer.CLONE
+        return Producer.CLONE, False
     if name in _MATMUL:
-        return Producer.MATMUL
+        return Producer.MATMUL, False
     if name in _BATCHED_MATMUL:
-        return Producer.BATCHED_MATMUL
+        return Producer.BATCHED_MATMUL, False
     if isinstance(target, torch._ops.OpOverload):
         overload = target
     else:  # torch IR: the tensor overload the call dispatches to
         overload = getattr(packet, "Tensor", None) or getattr(packet, "default", None)
     if overload is not None and torch.Tag.pointwise in overload.tags:
-        inputs = [value_of(a) for a in node.all_input_nodes if value_of(a) is not None]
-        same_dtype = value is not None and all(v.dtype == value.dtype for v in inputs)
-        if name in _EXACT_ARITHMETIC and same_dtype and len(inputs) == 2:
-            return Producer.EXACT_ARITHMETIC
-        return Producer.POINTWISE
-    return Producer.OTHER
+        return Producer.POINTWISE, name in _EXACT_ARITHMETIC
+    return Producer.OTHER, False
 
 
 @functools.lru_cache(maxsize=1024)
@@ -147,7 +164,8 @@ def _group_for(cat: fx.Node, table: Optional[NodeTable] = None) -> Optional[Capt
     fewer than 2 values. ``table``: the graph's table (captures get locations from it)."""
     inputs = cat.args[0] if cat.args else cat.kwargs.get("tensors")
     dim_arg = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", cat.kwargs.get("axis", 0))
-    out = tensor_value(cat)
+    value_of = table.value.get if table is not None else tensor_value
+    out = value_of(cat)
     if not isinstance(inputs, (list, tuple)) or len(inputs) < 2 or out is None:
         return None
     out_shape = out.shape  # read once: each read of a fake tensor's sizes builds SymInts
@@ -164,8 +182,9 @@ def _group_for(cat: fx.Node, table: Optional[NodeTable] = None) -> Optional[Capt
         return group.reject(f"concat dim {dim_arg!r} is not a constant int")
     order = table.nodes if table is not None else None
     offset = 0
+    out_dtype, out_device = out.dtype, out.device
     for position, node in enumerate(inputs):
-        value = tensor_value(node)
+        value = value_of(node) if isinstance(node, fx.Node) else None
         if value is None:
             return group.reject(f"concat input {position} ({node!r}) is not a tensor node of this graph")
         shape = value.shape
@@ -182,13 +201,13 @@ def _group_for(cat: fx.Node, table: Optional[NodeTable] = None) -> Optional[Capt
                 f"capture {position} has a symbolic width {_sym_str(width)} along the concat dim"
             )
         offset += hint(width)
-        if value.dtype != out.dtype:
+        if value.dtype != out_dtype:
             return group.reject(
-                f"capture {position} is {value.dtype}, the concat result is {out.dtype} "
+                f"capture {position} is {value.dtype}, the concat result is {out_dtype} "
                 f"(torch.cat type-promotes mixed dtypes; the packer keeps one dtype)"
             )
-        if value.device != out.device:
-            return group.reject(f"capture {position} is on {value.device}, the result on {out.device}")
+        if value.device != out_device:
+            return group.reject(f"capture {position} is on {value.device}, the result on {out_device}")
         for d in range(rank):
             if d != dim and not _same_size(shape[d], out_shape[d]):
                 return group.reject(

@@ -106,7 +106,8 @@ class LivenessModel:
                 plain = LivenessModel(graph, table=table)
             self._derive(plain)
             return
-        self.intervals: Dict[Hashable, Interval] = self._swept_intervals(source_of)
+        self.intervals: Dict[Hashable, Interval] = self._swept_intervals(source_of) \
+            if source_of or _from_scratch else self._plain_intervals()
         self._sweep_timeline()
         if not source_of and table.plain_liveness is None:
             table.plain_liveness = self
@@ -145,6 +146,41 @@ class LivenessModel:
                         sizes[key] = hint(storage.nbytes()) if storage is not None else _storage_bytes(t)
                     size[key] = sizes[key]
         return {key: Interval(size[key], start, last[key]) for key, start in born.items()}
+
+    def _plain_intervals(self) -> Dict[Hashable, Interval]:
+        """Every storage's interval with nothing computed into anything, from the table's
+        holders and last readers: what ``_swept_intervals`` gives, without its sweep over
+        every input of every node."""
+        table, position, end = self._table, self.position, self.end
+        for node in reversed(self.nodes):  # the output node holds nothing (as in the sweep)
+            if node.op == "output":
+                self.keys_of[node] = []
+                break
+        # when each node's value is last read: by its last reader, or where it is produced
+        read_at = {node: end if reader.op == "output" else 2 * position[reader]
+                   for node, reader in table.last_reader.items()}
+        sizes, storage_of = table.storage_bytes, table.storage
+        intervals: Dict[Hashable, Interval] = {}
+        for key, holders in table.holders.items():
+            first = holders[0]
+            if first.op == "placeholder" or first.op == "get_attr":
+                continue  # live before the graph runs
+            born = 2 * position[first]
+            last = max(born, read_at.get(first, 0))
+            for node in holders[1:]:  # a value's views and in-place writers' results
+                last = max(last, 2 * position[node], read_at.get(node, 0))
+            try:
+                size = sizes[key]
+            except KeyError:
+                storage = storage_of.get(key)
+                if storage is None:
+                    size = _storage_bytes(table.tensors[first][table.storages[first].index(key)])
+                else:
+                    size = storage.nbytes()
+                    size = size if type(size) is int else hint(size)
+                sizes[key] = size
+            intervals[key] = Interval(size, born, last)
+        return intervals
 
     def _derive(self, plain: "LivenessModel") -> None:
         """This model's intervals and timeline from ``plain`` (same table, nothing computed

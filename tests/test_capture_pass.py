@@ -514,18 +514,23 @@ def _liveness_facts(model):
             {key: list(nodes) for key, nodes in model.nodes_of.items() if nodes})
 
 
-@pytest.mark.parametrize("name", ["deepseek", "dflash"])
-def test_derived_liveness_equals_a_sweep_from_scratch(post_grad_graphs, name):
-    """A model with ``computed_into`` is derived from the table's plain model; it equals the
-    whole-graph sweep with that map, for Inductor's own concat map and for random maps
-    (values computed into later or earlier values, graph inputs, chains)."""
+@pytest.mark.parametrize("name", ["deepseek", "dflash", "deepseek_dynamo"])
+def test_derived_liveness_equals_a_sweep_from_scratch(request, name):
+    """The plain model (from holders and last readers) and a model with ``computed_into``
+    (derived from the plain one) equal the whole-graph sweep, for Inductor's own concat map
+    and for random maps (values computed into later or earlier values, graph inputs,
+    chains), on functional graphs and on a Dynamo graph with in-place writes."""
     from compile_pass.capture_pass import _liveness
     from compile_pass.dataflow import NodeTable
     from compile_pass.liveness import LivenessModel
 
-    gm = post_grad_graphs[name]
+    if name == "deepseek_dynamo":
+        gm = request.getfixturevalue("deepseek_graphs")["dynamo"]
+    else:
+        gm = request.getfixturevalue("post_grad_graphs")[name]
     table = NodeTable(gm.graph)
-    inductor = _liveness(gm.graph, TARGETS["post_grad"], table=table)
+    target = TARGETS["dynamo_lifted" if name == "deepseek_dynamo" else "post_grad"]
+    inductor = _liveness(gm.graph, target, table=table)
     assert inductor.computed_into, "Inductor computes some producers into a concat here"
     maps = [dict(inductor.computed_into)]
     rng = random.Random(0)
@@ -540,4 +545,5 @@ def test_derived_liveness_equals_a_sweep_from_scratch(post_grad_graphs, name):
         probe = next(iter(derived.intervals))
         assert derived.last_read(probe) == swept.last_read(probe)
     assert table.plain_liveness is not None
-    assert _liveness_facts(table.plain_liveness) == _liveness_facts(LivenessModel(gm.graph))
+    assert _liveness_facts(table.plain_liveness) == _liveness_facts(
+        LivenessModel(gm.graph, table=table, _from_scratch=True))
