@@ -34,6 +34,8 @@ __all__ = [
     "mutated_inputs",
     "source_line",
     "is_cat",
+    "cat_nodes",
+    "nodes_calling",
     "module_location",
     "NodeTable",
     "holders_of",
@@ -134,6 +136,27 @@ def is_cat(node: fx.Node) -> bool:
     if node.op == "call_function" and node.target in _CAT_TARGETS:
         return True
     return node.op == "call_method" and node.target in ("cat",)
+
+
+def nodes_calling(graph: fx.Graph, op: str, targets: Iterable[Any]) -> List[fx.Node]:
+    """The nodes of ``graph`` with ``op`` calling one of ``targets``, in graph order: from
+    fx's index of nodes by op and target (``Graph.find_nodes``) without reading every
+    node, or by a sweep where the graph has no such index."""
+    targets = tuple(dict.fromkeys(targets))
+    find = getattr(graph, "find_nodes", None)
+    if find is None:
+        return [n for n in graph.nodes if n.op == op and n.target in targets]
+    found: Dict[fx.Node, None] = {}
+    for target in targets:
+        found.update(dict.fromkeys(find(op=op, target=target, sort=False)))
+    return sorted(found)  # nodes order as they stand in their graph
+
+
+def cat_nodes(graph: fx.Graph) -> List[fx.Node]:
+    """The concatenations of ``graph`` (``is_cat``), in graph order."""
+    nodes = nodes_calling(graph, "call_function", _CAT_TARGETS)
+    methods = nodes_calling(graph, "call_method", ("cat",))
+    return sorted(nodes + methods) if methods else nodes
 
 
 def _node_args(obj: Any) -> Iterable[fx.Node]:
@@ -253,8 +276,8 @@ class NodeTable:
         self.key: Dict[fx.Node, Optional[int]] = {}  # = storage_key(value), None if no value
         #: every tensor the node produces (each output of a multi-output op), and for each a
         #: storage identity: its storage key, or ("object", id) for a tensor without storage
-        self.tensors: Dict[fx.Node, List[torch.Tensor]] = {}
-        self.storages: Dict[fx.Node, List[Hashable]] = {}
+        self.tensors: Dict[fx.Node, Tuple[torch.Tensor, ...]] = {}
+        self.storages: Dict[fx.Node, Tuple[Hashable, ...]] = {}
         self.writes: Dict[fx.Node, List[fx.Node]] = {}  # node -> inputs it writes (writers only)
         self.mutators: Dict[fx.Node, List[fx.Node]] = {}  # written node -> its writers, in order
         #: storage -> its bytes at the example sizes, filled by the liveness models built on it
@@ -270,7 +293,10 @@ class NodeTable:
         position, inputs, value, key = self.position, self.inputs, self.value, self.key
         tensors, storages, writes, mutators = self.tensors, self.storages, self.writes, self.mutators
         storage_of, last_reader = self.storage, self.last_reader
-        functional: Dict[Any, bool] = {}  # target -> its schema writes nothing (no args needed)
+        # target -> its ``_mutation_spec``: a call writes nothing if its schema writes nothing,
+        # or (torch IR, no schema) its spelling writes nothing and no ``out=`` or
+        # ``inplace=True`` is given (what ``mutated_inputs`` checks, without the call)
+        specs: Dict[Any, Tuple[bool, Tuple[Tuple[int, str], ...]]] = {}
         Tensor = torch.Tensor
         for i, node in enumerate(self.nodes):  # locals only: this loop is the pass's widest
             position[node] = i
@@ -287,29 +313,33 @@ class NodeTable:
                 except (NotImplementedError, RuntimeError):
                     k = None
                 value[node], key[node] = raw, k
-                tensors[node] = [raw]
-                storages[node] = [k or ("object", id(raw))]
+                tensors[node] = (raw,)
+                storages[node] = (k or ("object", id(raw)),)
             else:
                 value[node] = key[node] = None
-                many = [v for v in raw if isinstance(v, Tensor)] \
-                    if isinstance(raw, (list, tuple)) else []
+                many = tuple(v for v in raw if isinstance(v, Tensor)) \
+                    if isinstance(raw, (list, tuple)) else ()
                 tensors[node] = many
-                storages[node] = [storage_key(t) or ("object", id(t)) for t in many]
+                storages[node] = tuple(storage_key(t) or ("object", id(t)) for t in many)
             op = node.op
             if op == "call_function" or op == "call_method":
                 target = node.target
                 try:
-                    if functional[target]:
-                        continue
+                    has_schema, written = specs[target]
                 except KeyError:
-                    spec = _mutation_spec(op, target)
-                    functional[target] = spec[0] and not spec[1]
+                    has_schema, written = specs[target] = _mutation_spec(op, target)
                 except TypeError:  # an unhashable target
-                    pass
-                written = mutated_inputs(node)
-                if written:
-                    writes[node] = written
-                    for target in written:
+                    has_schema, written = True, ((0, ""),)  # decided by mutated_inputs below
+                if not written:
+                    if has_schema:
+                        continue
+                    kwargs = node.kwargs
+                    if not kwargs or ("out" not in kwargs and kwargs.get("inplace") is not True):
+                        continue
+                mutated = mutated_inputs(node)
+                if mutated:
+                    writes[node] = mutated
+                    for target in mutated:
                         mutators.setdefault(target, []).append(node)
 
     @classmethod

@@ -9,7 +9,6 @@ with a reason, so the diff tool can show them.
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 import operator
@@ -19,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from compile_pass.dataflow import (
-    NodeTable, hint, is_cat, nbytes, storage_key, tensor_value,
+    NodeTable, cat_nodes, hint, nbytes, storage_key, tensor_value,
 )
 from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Provenance
 
@@ -150,9 +149,11 @@ def _sym_str(size: object) -> str:
 def _same_size(a: object, b: object) -> bool:
     """Two sizes are the same expression (an int equals a SymInt of that number); compares
     the sympy expressions themselves rather than printing them."""
+    if a is b:
+        return True
     expr_a = a.node.expr if isinstance(a, torch.SymInt) else a
     expr_b = b.node.expr if isinstance(b, torch.SymInt) else b
-    return bool(expr_a == expr_b)
+    return expr_a is expr_b or bool(expr_a == expr_b)
 
 
 def _is_static(size: object) -> bool:
@@ -257,28 +258,38 @@ def _layer_depths(table: NodeTable) -> Dict[fx.Node, int]:
     target) and its value is not a view of one of its inputs.
     """
     depth: Dict[fx.Node, int] = {}
-    # storage -> depth of its latest in-place writer (0: none; None, no storage, stays 0)
-    written_at: Dict[Optional[int], int] = collections.defaultdict(int)
+    # storage -> depth of its latest in-place writer (absent: none)
+    written_at: Dict[Optional[int], int] = {}
     key, inputs_of, writes = table.key, table.inputs, table.writes
-    depth_of, key_of, written_depth = depth.__getitem__, key.__getitem__, written_at.__getitem__
+    written_depth = written_at.get
     boundary_ops: Dict[object, bool] = {}
+    getitem = operator.getitem
     for n in table.nodes:  # graph order is topological: every input's depth is known
         inputs = inputs_of[n]
-        base = 0
-        if inputs:
-            base = max(map(depth_of, inputs))
+        if not inputs:
+            base = 0
+        elif len(inputs) == 1:
+            base = depth[inputs[0]]
             if written_at:
-                base = max(base, max(map(written_depth, map(key_of, inputs))))
+                base = max(base, written_depth(key[inputs[0]], 0))
+        else:
+            base = max([depth[a] for a in inputs])
+            if written_at:
+                base = max(base, max([written_depth(key[a], 0) for a in inputs]))
         # one output of a multi-output op is as deep as the op (counted at the op itself);
         # a boundary op's view of its input (classify_producer's VIEW) is no boundary
-        if (n.op == "call_function" and n.target is not operator.getitem
-                and _may_be_boundary(n, boundary_ops)
-                and (key[n] is None or all(key[a] != key[n] for a in inputs))):
-            base += 1
+        if n.op == "call_function" and n.target is not getitem:
+            try:
+                boundary = boundary_ops[n.target]
+            except (KeyError, TypeError):  # not seen yet, or an unhashable target
+                boundary = _may_be_boundary(n, boundary_ops)
+            if boundary and (key[n] is None or all(key[a] != key[n] for a in inputs)):
+                base += 1
         depth[n] = base
-        for mutated in writes.get(n, ()):
-            if key[mutated] is not None:
-                written_at[key[mutated]] = base
+        if n in writes:
+            for mutated in writes[n]:
+                if key[mutated] is not None:
+                    written_at[key[mutated]] = base
     return depth
 
 
@@ -309,8 +320,8 @@ def find_capture_groups(graph_module: fx.GraphModule | fx.Graph,
     table = NodeTable.of(graph, table)
     groups = []
     depth: Optional[Dict[fx.Node, int]] = None
-    for node in table.nodes:
-        if is_cat(node):
+    for node in cat_nodes(graph):
+        if node in table.position:
             group = _group_for(node, table)
             if group is None:
                 continue

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 import compile_pass.ops  # noqa: F401  (registers compile_pass::write_slice_)
-from compile_pass.dataflow import copy_graph, tensor_value
+from compile_pass.dataflow import copy_graph, nodes_calling, tensor_value
 
 __all__ = ["LiftError", "LiftedBuffer", "LiftedBuffers", "copy_module", "find_packed_buffers",
            "lift_packed_buffers", "WithLiftedBuffers"]
@@ -120,7 +120,9 @@ def find_packed_buffers(graph: fx.Graph) -> List[fx.Node]:
     """Uninitialized allocations that ``write_slice_`` / ``binary_into_slice_`` calls write
     into, in graph order (the buffers of rewritten groups and of packers inside the model)."""
     buffers = []
-    for node in graph.nodes:
+    allocations = nodes_calling(graph, "call_function", _EMPTY_TARGETS) + \
+        nodes_calling(graph, "call_method", _EMPTY_METHODS)
+    for node in sorted(allocations):
         if _is_empty(node) and any(u.op == "call_function" and u.target in _WRITES
                                    and (u.args[0] if u.args else u.kwargs.get("buf")) is node
                                    for u in node.users):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Dict, Hashable, Iterable, List, Mapping, NamedTuple, Optional
+from typing import Any, Dict, Hashable, Iterable, List, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -31,6 +31,8 @@ __all__ = ["Interval", "LivenessModel", "MemoryTimeline", "estimate_memory"]
 
 #: time steps per block of precomputed maxima (``LivenessModel._range_max``)
 _BLOCK = 128
+#: nodes whose values were live before the graph runs
+_INPUT_OPS = frozenset({"placeholder", "get_attr"})
 
 
 @dataclass
@@ -90,31 +92,35 @@ class LivenessModel:
         self.nodes = table.nodes
         self.position = table.position
         self.end = 2 * len(self.nodes)
-        self._table = table
+        # the table's holders, not the table: the table keeps its plain model, and a model
+        # that kept the table would make a cycle only the garbage collector frees
+        self._holders: Dict[Hashable, List[fx.Node]] = table.holders
         self._nodes_of: Optional[Dict[Hashable, List[fx.Node]]] = None
+        #: a derived model's holders of the storages it recomputed (``nodes_of`` merges them)
+        self._holders_changed: Optional[Dict[Hashable, List[fx.Node]]] = None
         source_of: Dict[fx.Node, fx.Node] = dict(computed_into or {})
         #: value -> the value whose storage it holds (the ``computed_into`` given)
         self.computed_into: Mapping[fx.Node, fx.Node] = source_of
         # storages each node holds: its own, those of the value computed into, none for the
         # output node (its metadata may even describe values a rewrite replaced)
-        self.keys_of: Dict[fx.Node, List[Hashable]] = dict(table.storages)
+        self.keys_of: Dict[fx.Node, Sequence[Hashable]] = dict(table.storages)
         for node, target in source_of.items():
             self.keys_of[node] = table.storages[target]
         if source_of and not _from_scratch:
             plain = table.plain_liveness
             if not isinstance(plain, LivenessModel):
                 plain = LivenessModel(graph, table=table)
-            self._derive(plain)
+            self._derive(plain, table)
             return
-        self.intervals: Dict[Hashable, Interval] = self._swept_intervals(source_of) \
-            if source_of or _from_scratch else self._plain_intervals()
+        self.intervals: Dict[Hashable, Interval] = self._swept_intervals(source_of, table) \
+            if source_of or _from_scratch else self._plain_intervals(table)
         self._sweep_timeline()
         if not source_of and table.plain_liveness is None:
             table.plain_liveness = self
 
-    def _swept_intervals(self, source_of: Mapping[fx.Node, fx.Node]) -> Dict[Hashable, Interval]:
+    def _swept_intervals(self, source_of: Mapping[fx.Node, fx.Node],
+                         table: NodeTable) -> Dict[Hashable, Interval]:
         """Every storage's interval, in one sweep over the nodes."""
-        table = self._table
         tensors, inputs_of = table.tensors, table.inputs
         born: Dict[Hashable, int] = {}
         size: Dict[Hashable, int] = {}
@@ -147,31 +153,32 @@ class LivenessModel:
                     size[key] = sizes[key]
         return {key: Interval(size[key], start, last[key]) for key, start in born.items()}
 
-    def _plain_intervals(self) -> Dict[Hashable, Interval]:
+    def _plain_intervals(self, table: NodeTable) -> Dict[Hashable, Interval]:
         """Every storage's interval with nothing computed into anything, from the table's
         holders and last readers: what ``_swept_intervals`` gives, without its sweep over
         every input of every node."""
-        table, position, end = self._table, self.position, self.end
+        position, end = self.position, self.end
         for node in reversed(self.nodes):  # the output node holds nothing (as in the sweep)
             if node.op == "output":
                 self.keys_of[node] = []
                 break
-        # when each node's value is last read: by its last reader, or where it is produced
+        # when each node's value is last read: by its last reader (a read is always later
+        # than the value's own step), else where it is produced
         read_at = {node: end if reader.op == "output" else 2 * position[reader]
                    for node, reader in table.last_reader.items()}
         sizes, storage_of = table.storage_bytes, table.storage
         intervals: Dict[Hashable, Interval] = {}
         for key, holders in table.holders.items():
             first = holders[0]
-            if first.op == "placeholder" or first.op == "get_attr":
+            if first.op in _INPUT_OPS:
                 continue  # live before the graph runs
             born = 2 * position[first]
-            last = max(born, read_at.get(first, 0))
-            for node in holders[1:]:  # a value's views and in-place writers' results
-                last = max(last, 2 * position[node], read_at.get(node, 0))
-            try:
-                size = sizes[key]
-            except KeyError:
+            if len(holders) == 1:
+                last = read_at.get(first, born)
+            else:  # a value's views and in-place writers' results
+                last = max([read_at.get(node, 2 * position[node]) for node in holders])
+            size = sizes.get(key)
+            if size is None:
                 storage = storage_of.get(key)
                 if storage is None:
                     size = _storage_bytes(table.tensors[first][table.storages[first].index(key)])
@@ -182,11 +189,11 @@ class LivenessModel:
             intervals[key] = Interval(size, born, last)
         return intervals
 
-    def _derive(self, plain: "LivenessModel") -> None:
+    def _derive(self, plain: "LivenessModel", table: NodeTable) -> None:
         """This model's intervals and timeline from ``plain`` (same table, nothing computed
         into anything): the storages ``computed_into`` touches get the intervals their new
         holders give them, as the sweep would; every other interval is the plain one."""
-        table, source_of = self._table, self.computed_into
+        source_of = self.computed_into
         for node in reversed(self.nodes):  # the output node holds nothing (as in the sweep)
             if node.op == "output":
                 self.keys_of[node] = []
@@ -227,7 +234,7 @@ class LivenessModel:
                 self.intervals.pop(key, None)
             else:
                 self.intervals[key] = interval
-        self._nodes_of = {**table.holders, **holders}
+        self._holders_changed = holders
         self._base = plain.live_bytes(changes) if changes else plain._base
         self._peak = max(self._base, default=0)
         self._block_max = [max(self._base[i:i + _BLOCK]) for i in range(0, len(self._base), _BLOCK)] \
@@ -238,9 +245,11 @@ class LivenessModel:
         """Storage -> the nodes holding it, in graph order: the table's ``holders``
         unless values are computed into others' storages (then built on first use)."""
         if not self.computed_into:
-            return self._table.holders
+            return self._holders
         if self._nodes_of is None:
-            self._nodes_of = holders_of(self.keys_of)
+            changed = self._holders_changed
+            self._nodes_of = {**self._holders, **changed} if changed is not None \
+                else holders_of(self.keys_of)
         return self._nodes_of
 
     def _sweep_timeline(self) -> None:

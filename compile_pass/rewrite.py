@@ -18,8 +18,7 @@ import torch
 import torch.fx as fx
 
 import compile_pass.ops  # noqa: F401  (registers compile_pass::write_slice_)
-from compile_pass.dataflow import tensor_value
-from compile_pass.dataflow import NodeTable
+from compile_pass.dataflow import NodeTable, nodes_calling, tensor_value
 from compile_pass.find import classify_producer, exact_binary_op, exact_out_variant
 from compile_pass.groups import Capture, CaptureGroup, GroupKind, Producer, Strategy
 
@@ -247,7 +246,8 @@ def _arithmetic_written(node: fx.Node) -> Optional[fx.Node]:
 def writes_of_arithmetic(graph: fx.Graph) -> bool:
     """Whether ``graph`` has a candidate of ``compute_writes_into_slices`` (a sweep without
     facts, to skip building them)."""
-    return any(_arithmetic_written(node) is not None for node in graph.nodes)
+    return any(_arithmetic_written(node) is not None
+               for node in nodes_calling(graph, "call_function", _WRITES))
 
 
 def compute_writes_into_slices(graph: fx.Graph, table: NodeTable,

@@ -110,6 +110,15 @@ def twin_of(node: fx.Node, table: NodeTable) -> Optional[fx.Node]:
     return best
 
 
+def _may_have_twin(node: fx.Node) -> bool:
+    """Whether another node calls ``node``'s pure op on the same arguments: what
+    ``twin_of`` needs before it looks at positions and writes in between."""
+    if not _is_pure(node) or not node.all_input_nodes:
+        return False
+    return any(other is not node and _same_call(other, node)
+               for other in node.all_input_nodes[0].users)
+
+
 def _write_source(node: fx.Node) -> Optional[fx.Node]:
     """The captured value a ``write_slice_`` call (plain or functionalized) copies."""
     if node.op != "call_function":
@@ -164,13 +173,13 @@ def _op_name(node: fx.Node) -> str:
     return getattr(target, "__name__", None) or str(target)
 
 
-def _candidates(table: NodeTable) -> Dict[fx.Node, None]:
+def _candidates(nodes: Iterable[fx.Node]) -> Dict[fx.Node, None]:
     """Values that may be captures, in graph order: ``write_slice_`` sources, concat
     inputs and returned values (a cheap superset of ``capture_values``)."""
     from compile_pass.dataflow import is_cat
 
     found: Dict[fx.Node, None] = {}
-    for node in table.nodes:
+    for node in nodes:
         src = _write_source(node)
         if src is not None:
             found[src] = None
@@ -187,8 +196,11 @@ def merge_capture_twins(graph: fx.Graph) -> List[TwinMerge]:
     Cheap where nothing is merged: the capture groups are found only if some concat input
     or returned value has a twin."""
     with gc_paused():
+        # the graph's table only where some candidate has a same-call sibling
+        if not any(_may_have_twin(n) for n in _candidates(graph.nodes)):
+            return []
         table = NodeTable(graph)
-        candidates = [n for n in _candidates(table) if twin_of(n, table) is not None]
+        candidates = [n for n in _candidates(table.nodes) if twin_of(n, table) is not None]
         if not candidates:
             return []
         captures = set(capture_values(graph, table))

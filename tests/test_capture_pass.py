@@ -381,6 +381,18 @@ def test_node_table_agrees_with_the_per_node_functions(deepseek_graphs, kind):
     # the fast boundary rule (op kind from the target, views ruled out by storage) gives
     # the depths the definition gives
     assert find_module._layer_depths(table) == _reference_depths(graph)
+    # the indexed lookup of concats finds what a sweep finds, in graph order; so does the
+    # sweep it falls back to without fx's index
+    from compile_pass.dataflow import cat_nodes, is_cat, nodes_calling
+
+    swept = [n for n in graph.nodes if is_cat(n)]
+    assert swept and cat_nodes(graph) == swept
+
+    class Unindexed:
+        nodes = graph.nodes
+
+    targets = {n.target for n in swept}
+    assert nodes_calling(Unindexed(), swept[0].op, targets) == nodes_calling(graph, swept[0].op, targets)
 
 
 def test_node_table_is_rebuilt_for_a_changed_graph(deepseek_graphs):
