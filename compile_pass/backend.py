@@ -7,7 +7,6 @@ must land where nothing functionalizes the graph again (docs/design.md):
 |--------------|-------------------------------------------------|-------------------------------|
 | ``eager``    | the Dynamo graph                                | runs as is                    |
 | ``aot_eager``| the functional aten graph after AOTAutograd     | runs as is                    |
-| ``cudagraphs``| the functional aten graph after AOTAutograd    | captured into a CUDA graph    |
 | ``inductor`` | a working copy of the Dynamo graph, packed      | AOTAutograd, then Inductor    |
 |              | buffers lifted to inputs this callable allocates| with ``CaptureTwinsPass`` first|
 | ``inductor`` + CUDA graphs, or captures that    | Inductor's post-grad graph     |
@@ -24,6 +23,11 @@ piece goes to the inner; Inductor pieces get ``PieceWritesPass`` and take their 
 boxed (``piecewise.PieceRunner``).
 
 ``options={"rewrite": False}`` compiles exactly the same way with the pass off.
+
+CUDA graphs: the inductor inner with ``mode="reduce-overhead"`` (Inductor's cudagraph trees
+run the rewritten graph), or ``compile_pass.cudagraph.CudaGraphRunner`` around any compiled
+model (one graph per token count, one memory pool, one static packed buffer). There
+is no ``cudagraphs`` inner: it was removed (see ``REMOVED_INNERS``).
 """
 
 from __future__ import annotations
@@ -45,9 +49,21 @@ if TYPE_CHECKING:
     from compile_pass.inductor_pass import AuxCapturePass
     from compile_pass.twins import TwinMerge
 
-__all__ = ["AuxCaptureBackend", "aux_capture", "aux_capture_backend", "INNERS", "MODES"]
+__all__ = ["AuxCaptureBackend", "aux_capture", "aux_capture_backend", "INNERS", "MODES", "REMOVED_INNERS"]
 
-INNERS = ("inductor", "aot_eager", "eager", "cudagraphs")
+INNERS = ("inductor", "aot_eager", "eager")
+#: inner names that existed once, with why they are gone and what to use instead
+REMOVED_INNERS = {
+    "cudagraphs": (
+        "inner='cudagraphs' was removed from aux_capture: it captured the graph at compile "
+        "time, on the fake tensors AOTAutograd compiles with, and copied inputs and outputs, "
+        "so writes into a static buffer (aux_out) went to private copies. For CUDA graphs use "
+        "the inductor inner with mode='reduce-overhead' (Inductor's cudagraph trees run the "
+        "rewritten graph), or compile with inner='eager' / 'inductor' and capture the compiled "
+        "model with compile_pass.cudagraph.CudaGraphRunner (one graph per token count, one "
+        "memory pool, one static packed buffer; docs/cuda-graphs.md)"
+    ),
+}
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _BACKEND_KEYS = ("inner", "rewrite", "cost_model", "pack_outputs", "split_ops")
 
@@ -83,6 +99,8 @@ class AuxCaptureBackend:
     twin_merges: List["TwinMerge"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if isinstance(self.inner, str) and self.inner in REMOVED_INNERS:
+            raise ValueError(REMOVED_INNERS[self.inner])
         if isinstance(self.inner, str) and self.inner not in INNERS:
             raise ValueError(
                 f"unknown inner compiler {self.inner!r} for aux_capture: "
@@ -91,10 +109,6 @@ class AuxCaptureBackend:
         if not isinstance(self.inner, str) and not callable(self.inner):
             raise TypeError(f"inner must be a name or a callable, got {type(self.inner).__name__}")
         self.split_ops = check_split_ops(self.split_ops)
-        if self.split_ops and self.inner == "cudagraphs":
-            raise ValueError("split_ops with inner='cudagraphs' is not supported: compile the "
-                             "pieces with inner='inductor' or 'aot_eager' and capture them with "
-                             "compile_pass.cudagraph for piecewise CUDA graphs")
         for name in ("rewrite", "cost_model", "pack_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"option {name!r} must be a bool, got {getattr(self, name)!r}")
@@ -220,7 +234,7 @@ class AuxCaptureBackend:
         """``gm`` compiled by the inner; ``rewrite_inside``: the inner's own graph is rewritten."""
         if self.inner == "eager":
             return gm.forward
-        if self.inner in ("aot_eager", "cudagraphs"):
+        if self.inner == "aot_eager":
             return self._compile_aot(gm, example_inputs, rewrite_inside)
         if self.inner == "inductor":
             return self._compile_inductor(gm, example_inputs, rewrite_inside)
@@ -297,8 +311,6 @@ class AuxCaptureBackend:
                 aot_gm.recompile()
             if rewrite_inside:
                 self._rewrite(aot_gm, "aot")
-            if self.inner == "cudagraphs":
-                return _cudagraph(aot_gm, aot_inputs)
             return make_boxed_func(aot_gm.forward)
 
         def backward_compiler(aot_gm: fx.GraphModule, aot_inputs: Sequence[Any]) -> CompiledFn:
@@ -315,18 +327,6 @@ class AuxCaptureBackend:
 def _inputs_as_given(args: List[Any]) -> List[Any]:
     """The identity ``GmWrapper`` unflattens a boxed piece's flat inputs with."""
     return args
-
-
-def _cudagraph(gm: fx.GraphModule, inputs: Sequence[Any]) -> CompiledFn:
-    """Capture the (rewritten) aten graph into one CUDA graph; inputs and outputs copied."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.cudagraphs import cudagraphs_inner
-
-    devices = {t.device.type for t in inputs if isinstance(t, torch.Tensor)}
-    if devices != {"cuda"}:
-        raise RuntimeError(f"inner='cudagraphs' needs CUDA tensors, got inputs on {sorted(devices)}")
-    run = cudagraphs_inner(gm, list(inputs), copy_outputs=True, copy_inputs=True)
-    return make_boxed_func(lambda args: run(*args))
 
 
 def aux_capture_backend(inner: Inner = "inductor", *, rewrite: bool = True, cost_model: bool = True,

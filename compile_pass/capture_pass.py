@@ -60,7 +60,7 @@ class Target:
 
 TARGETS: Dict[str, Target] = {
     "dynamo": Target("dynamo", runs_as_is=True, inductor_cost=False),  # eager inner
-    # aot_eager / cudagraphs inners: the forward graph after AOTAutograd
+    # aot_eager inner: the forward graph after AOTAutograd
     "aot": Target("aot", runs_as_is=True, inductor_cost=False, autograd_free=True),
     # a callable inner: the Dynamo graph, functionalized by whatever comes next
     "dynamo_functional": Target("dynamo_functional", runs_as_is=False, inductor_cost=False),

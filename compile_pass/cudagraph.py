@@ -239,11 +239,15 @@ def _check_outputs(outputs: Any, tokens: int, packed: Optional[torch.Tensor], ou
 
 class CapturedGraph(NamedTuple):
     """A captured CUDA graph, the outputs its replays rewrite, and (when asked) the peak
-    bytes allocated while it was recorded: what its memory pool had to provide."""
+    bytes allocated while it was recorded: what its memory pool had to provide, as the
+    allocator's blocks (``capture_peak_bytes``, rounded up, whole unsplit blocks counted)
+    and as the bytes the tensors requested (``capture_requested_peak_bytes``, the
+    ``requested_bytes.all.peak`` statistic; None where the torch build lacks it)."""
 
     graph: "torch.cuda.CUDAGraph"
     outputs: Any
     capture_peak_bytes: Optional[int]
+    capture_requested_peak_bytes: Optional[int] = None
 
 
 def capture_cuda_graph(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None,
@@ -258,7 +262,7 @@ def capture_cuda_graph(fn: Callable[..., Any], args: Sequence[Any], kwargs: Opti
     private pool). The outputs of the captured run live in memory the graph owns: each
     ``graph.replay()`` recomputes them in place from whatever the ``args`` tensors hold.
     ``measure_memory=True`` resets the device's peak-memory statistics and records the
-    peak above the bytes allocated when the capture starts.
+    peak above the bytes allocated when the capture starts, allocated and requested.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("capture_cuda_graph needs CUDA")
@@ -273,15 +277,22 @@ def capture_cuda_graph(fn: Callable[..., Any], args: Sequence[Any], kwargs: Opti
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     start = 0
+    start_requested: Optional[int] = None
     if measure_memory:
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
+        start_requested = torch.cuda.memory_stats().get("requested_bytes.all.current")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool, stream=stream):
         outputs = fn(*args, **kwargs)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - start if measure_memory else None
-    return CapturedGraph(graph, outputs, peak)
+    peak = requested = None
+    if measure_memory:
+        peak = torch.cuda.max_memory_allocated() - start
+        requested_peak = torch.cuda.memory_stats().get("requested_bytes.all.peak")
+        if start_requested is not None and requested_peak is not None:
+            requested = requested_peak - start_requested
+    return CapturedGraph(graph, outputs, peak, requested)
 
 
 class CudaGraphRunner:
@@ -311,8 +322,9 @@ class CudaGraphRunner:
     - ``pool``: a ``torch.cuda.graph_pool_handle()`` to share with other runners (a piece
       runner, the draft model's graphs); None creates one shared by this runner's graphs.
     - ``warmup_iters``: eager runs per size before its capture.
-    - ``measure_capture_memory``: record ``capture_peak_bytes[size]`` (resets the device's
-      peak-memory statistics around each capture).
+    - ``measure_capture_memory``: record ``capture_peak_bytes[size]`` and
+      ``capture_requested_peak_bytes[size]`` (resets the device's peak-memory statistics
+      around each capture).
 
     Graphs are captured at construction, largest size first (smaller graphs then reuse the
     pool memory the largest one's intermediates freed). Outputs are views of static
@@ -369,6 +381,8 @@ class CudaGraphRunner:
         #: with ``measure_capture_memory`` (CUDA graphs only): per size, the peak bytes allocated
         #: while its graph was recorded, above those allocated before (its share of the pool)
         self.capture_peak_bytes: Dict[int, int] = {}
+        #: the same peak in bytes requested by tensors (``requested_bytes.all.peak``), unrounded
+        self.capture_requested_peak_bytes: Dict[int, int] = {}
         self._capture_all()
 
     # ------------------------------------------------------------------ setup
@@ -431,6 +445,8 @@ class CudaGraphRunner:
                     self._outputs[tokens] = outputs = captured.outputs
                     if captured.capture_peak_bytes is not None:
                         self.capture_peak_bytes[tokens] = captured.capture_peak_bytes
+                    if captured.capture_requested_peak_bytes is not None:
+                        self.capture_requested_peak_bytes[tokens] = captured.capture_requested_peak_bytes
                 else:
                     outputs = self.fn(*args, **kwargs)
             except Exception:

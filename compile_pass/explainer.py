@@ -508,7 +508,7 @@ def explain(model: Callable[..., Any], *example_inputs: Any, inner: str = "eager
     Dynamo's caches are reset first (``torch._dynamo.reset()``), so the report shows a
     fresh compile. Raises ``ModelRunError`` when the compiled model raises.
     """
-    if not isinstance(inner, str) or inner not in INNERS or inner == "cudagraphs":
+    if not isinstance(inner, str) or inner not in INNERS:
         raise ValueError(f"unknown inner {inner!r} for explain: expected one of "
                          f"eager, aot_eager, inductor")
     if not callable(model):

@@ -318,6 +318,28 @@ def test_direct_constructor_errors():
         aux_capture_backend(_tiny_fn, mode="max-autotune")
 
 
+@pytest.mark.parametrize("make", [
+    lambda: aux_capture_backend("cudagraphs"),
+    lambda: AuxCaptureBackend(inner="cudagraphs"),
+    lambda: backend_from_options(None, {"inner": "cudagraphs"}),
+    lambda: backend_from_options(None, {"inner": "cudagraphs", "split_ops": ["models::attention"]}),
+], ids=["aux_capture_backend", "constructor", "options", "options-split"])
+def test_removed_cudagraphs_inner_names_the_alternatives(make):
+    """The inner is gone (it captured on AOTAutograd's fake tensors and copied aux_out);
+    the error says so and names both ways to CUDA graphs that remain."""
+    assert "cudagraphs" not in INNERS
+    with pytest.raises(ValueError, match="inner='cudagraphs' was removed") as info:
+        make()
+    message = str(info.value)
+    assert "mode='reduce-overhead'" in message and "CudaGraphRunner" in message, message
+
+
+def test_removed_cudagraphs_inner_through_torch_compile():
+    compiled = torch.compile(_tiny_fn, backend=aux_capture, options={"inner": "cudagraphs"})
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="inner='cudagraphs' was removed"):
+        compiled(torch.randn(4))
+
+
 def test_valid_modes_and_options_construct():
     for mode in MODES:
         assert AuxCaptureBackend(mode=mode).mode == mode

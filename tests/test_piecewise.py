@@ -322,7 +322,7 @@ def test_split_op_warnings_name_the_problem():
     (dict(split_ops="models::attention"), TypeError, "split_ops must be a list of op names"),
     (dict(split_ops=["attention"]), ValueError, "is not of the form 'namespace::op'"),
     (dict(split_ops=[3]), ValueError, "is not of the form"),
-    (dict(split_ops=SPLIT, inner="cudagraphs"), ValueError, "split_ops with inner='cudagraphs'"),
+    (dict(split_ops=SPLIT, inner="cudagraphs"), ValueError, "inner='cudagraphs' was removed"),
     (dict(pack_outputs="yes"), TypeError, "option 'pack_outputs' must be a bool"),
 ])
 def test_bad_piecewise_options(options, error, message):
