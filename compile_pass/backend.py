@@ -33,6 +33,7 @@ is no ``cudagraphs`` inner: it was removed (see ``REMOVED_INNERS``).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -65,7 +66,7 @@ REMOVED_INNERS = {
     ),
 }
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-_BACKEND_KEYS = ("inner", "rewrite", "cost_model", "pack_outputs", "split_ops")
+_BACKEND_KEYS = ("inner", "rewrite", "cost_model", "pack_outputs", "split_ops", "keep_code_before")
 
 CompiledFn = Callable[..., Any]
 Inner = Union[str, Callable[[fx.GraphModule, List[torch.Tensor]], CompiledFn]]
@@ -92,6 +93,11 @@ class AuxCaptureBackend:
     inductor_options: Dict[str, Any] = field(default_factory=dict)
     pack_outputs: bool = False
     split_ops: Sequence[str] = ()
+    #: generate each result's code before the rewrite (``PassResult.code_before``); off, a
+    #: rewritten graph's code before reads ``CODE_NOT_KEPT``: on a 61-layer graph the text
+    #: costs more than the pass (docs/scale.md section 4). The diff tool and ``TORCH_TRACE``
+    #: keep it whatever this says.
+    keep_code_before: bool = False
     results: List[PassResult] = field(default_factory=list)
     #: one entry per split graph compiled: (compute pieces, split-op calls)
     splits: List[SplitGraph] = field(default_factory=list)
@@ -109,7 +115,7 @@ class AuxCaptureBackend:
         if not isinstance(self.inner, str) and not callable(self.inner):
             raise TypeError(f"inner must be a name or a callable, got {type(self.inner).__name__}")
         self.split_ops = check_split_ops(self.split_ops)
-        for name in ("rewrite", "cost_model", "pack_outputs"):
+        for name in ("rewrite", "cost_model", "pack_outputs", "keep_code_before"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"option {name!r} must be a bool, got {getattr(self, name)!r}")
         if self.mode not in MODES:
@@ -141,6 +147,10 @@ class AuxCaptureBackend:
     #: whole-graph memory timelines in every PassResult (the diff tool turns it on)
     _estimate = False
 
+    @property
+    def _keep_code(self) -> bool:
+        return self.keep_code_before or self._estimate or bool(os.environ.get("TORCH_TRACE"))
+
     def _on_result(self, result: PassResult, graph: fx.Graph) -> None:
         """Called with each graph's pass result (already in ``results``); a hook for
         subclasses that keep more about the rewritten ``graph``."""
@@ -150,7 +160,8 @@ class AuxCaptureBackend:
         if not self.rewrite:
             return None
         result = run_capture_pass(gm, target, estimate=self._estimate, cost_model=self.cost_model,
-                                  concat=concat, pack_outputs=pack_outputs)
+                                  concat=concat, pack_outputs=pack_outputs,
+                                  keep_code_before=self._keep_code)
         self.results.append(result)
         self._on_result(result, gm.graph)
         return result
@@ -160,7 +171,8 @@ class AuxCaptureBackend:
         from compile_pass.inductor_pass import AuxCapturePass
 
         return AuxCapturePass(cost_model=self.cost_model, results=self.results,
-                              estimate=self._estimate, on_result=self._on_result)
+                              estimate=self._estimate, on_result=self._on_result,
+                              keep_code_before=self._keep_code)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> CompiledFn:
         from compile_pass.compat import warn_once_if_unsupported
@@ -212,9 +224,10 @@ class AuxCaptureBackend:
             return self._compile_inductor(gm, example_inputs, rewrite_inside=False)
         work = copy_module(gm)
         result = run_capture_pass(work, "dynamo_lifted", estimate=self._estimate,
-                                  cost_model=self.cost_model, pack_outputs=self.pack_outputs)
+                                  cost_model=self.cost_model, pack_outputs=self.pack_outputs,
+                                  keep_code_before=self._keep_code)
         # no ``original=gm.graph``: Dynamo owns its graph and may empty it once the backend
-        # returns (a restarted analysis did), so the code before is generated from the copy
+        # returns (a restarted analysis did), so the code before, if kept, is from the copy
         self.results.append(result)
         self._on_result(result, work.graph)
         if result.error is not None:
@@ -331,7 +344,8 @@ def _inputs_as_given(args: List[Any]) -> List[Any]:
 
 def aux_capture_backend(inner: Inner = "inductor", *, rewrite: bool = True, cost_model: bool = True,
                         mode: Optional[str] = None, pack_outputs: bool = False,
-                        split_ops: Sequence[str] = (), **inductor_options: Any) -> AuxCaptureBackend:
+                        split_ops: Sequence[str] = (), keep_code_before: bool = False,
+                        **inductor_options: Any) -> AuxCaptureBackend:
     """The backend as a callable: ``torch.compile(m, backend=aux_capture_backend(inner="eager"))``.
 
     ``rewrite=False``: the same compile with the pass off. ``cost_model=False``: rewrite
@@ -339,10 +353,12 @@ def aux_capture_backend(inner: Inner = "inductor", *, rewrite: bool = True, cost
     ``pack_outputs=True``: captures the graph returns become adjacent slices of one
     buffer (``pack_aux_hidden_states`` then takes it without a copy).
     ``split_ops=["ns::op", ...]``: piecewise graphs split at those ops.
+    ``keep_code_before=True``: each result keeps the graph's code before the rewrite.
     Other keywords are Inductor config options (inductor inner only).
     """
     return AuxCaptureBackend(inner=inner, rewrite=rewrite, cost_model=cost_model, mode=mode,
                              pack_outputs=pack_outputs, split_ops=split_ops,
+                             keep_code_before=keep_code_before,
                              inductor_options=dict(inductor_options))
 
 
@@ -357,8 +373,10 @@ def backend_from_options(mode: Optional[str] = None,
     cost_model = options.pop("cost_model", True)
     pack_outputs = options.pop("pack_outputs", False)
     split_ops = options.pop("split_ops", ())
+    keep_code_before = options.pop("keep_code_before", False)
     return aux_capture_backend(inner, rewrite=rewrite, cost_model=cost_model, mode=mode,
-                               pack_outputs=pack_outputs, split_ops=split_ops, **options)
+                               pack_outputs=pack_outputs, split_ops=split_ops,
+                               keep_code_before=keep_code_before, **options)
 
 
 def aux_capture(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,

@@ -74,8 +74,9 @@ TARGETS: Dict[str, Target] = {
 
 
 #: ``PassResult.code_before`` / ``code_after`` of a graph whose code was not kept
-CODE_NOT_KEPT = ("# the graph's code was not kept: the pass left it unchanged and a compiler edits "
-                 "it next (run with estimate=True, as the diff tool does, to keep it)\n")
+CODE_NOT_KEPT = ("# the graph's code was not kept: the pass changed it, or left it unchanged for a "
+                 "compiler that edits it next (keep_code_before=True, estimate=True as the diff "
+                 "tool runs it, or TORCH_TRACE keep it)\n")
 
 
 @dataclass
@@ -110,6 +111,8 @@ class PassResult:
     #: ``write_slice_`` calls of capture-only arithmetic made ``binary_into_slice_`` (lift targets)
     writes_computed_into: int = 0
     _unchanged_graph: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
+    #: generate the code before ahead of the graph's first change (else it is not kept then)
+    _keep_code: bool = field(default=True, repr=False, compare=False)
 
     @property
     def code_before(self) -> str:
@@ -121,10 +124,11 @@ class PassResult:
         return self._code_before
 
     def keep_code_before(self, graph: fx.Graph) -> None:
-        """Generate the code before now, from ``graph`` (about to change) unless an
-        unchanged graph is kept to read it from."""
+        """``graph`` is about to change: generate the code before now (unless an unchanged
+        graph is kept to read it from, or the result keeps no code: then it is dropped)."""
         if self._code_before is None and self._unchanged_graph in (None, graph):
-            self._code_before = graph.python_code("self").src
+            if self._keep_code:
+                self._code_before = graph.python_code("self").src
             self._unchanged_graph = None
 
     @code_before.setter
@@ -366,7 +370,8 @@ def _find_groups(gm: fx.GraphModule, table: NodeTable, concat: bool,
 def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
                      estimate: bool = False, cost_model: bool = True,
                      pack_outputs: bool = False, concat: bool = True,
-                     original: Optional[fx.Graph] = None) -> PassResult:
+                     original: Optional[fx.Graph] = None,
+                     keep_code_before: bool = True) -> PassResult:
     """Rewrite every accepted capture group of ``gm`` (in place); never raises.
 
     ``estimate=True`` also records whole-graph memory timelines before and after, for the
@@ -377,15 +382,19 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
     ``original``: for a working copy (``Target.works_on_copy``), the graph it was copied
     from, if the caller owns it and nothing edits it while ``code_before`` may be read (not
     Dynamo's graph: Dynamo may empty it after the backend returns): the code before is then
-    generated from it only if asked for.
+    generated from it only if asked for. ``keep_code_before=False``: the code before a
+    change is not generated (it costs about as much as the pass on a large graph); read
+    from a graph the pass leaves unchanged, it still is. ``estimate=True`` keeps it.
     """
     with gc_paused():
         return _run_capture_pass(gm, TARGETS[target] if isinstance(target, str) else target,
-                                 estimate, cost_model, pack_outputs, concat, original)
+                                 estimate, cost_model, pack_outputs, concat, original,
+                                 keep_code_before or estimate)
 
 
 def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_model: bool,
-                      pack_outputs: bool, concat: bool, original: Optional[fx.Graph]) -> PassResult:
+                      pack_outputs: bool, concat: bool, original: Optional[fx.Graph],
+                      keep_code: bool) -> PassResult:
     start = time.perf_counter()
     # the graph's own code, not gm.code: earlier passes (Inductor's) may not have recompiled.
     # Read later from a graph nothing edits: a working copy's original, or the graph itself
@@ -394,7 +403,7 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
         unchanged: Optional[fx.Graph] = original
     else:
         unchanged = gm.graph if target.runs_as_is or target.works_on_copy else None
-    result = PassResult(target.name, [], None, None, _unchanged_graph=unchanged)
+    result = PassResult(target.name, [], None, None, _unchanged_graph=unchanged, _keep_code=keep_code)
     if estimate:
         result.keep_code_before(gm.graph)
     graph_changed = False

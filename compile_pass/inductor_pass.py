@@ -50,7 +50,8 @@ class AuxCapturePass(CustomGraphPass):
 
     def __init__(self, cost_model: bool = True, results: Optional[List[PassResult]] = None,
                  estimate: bool = False,
-                 on_result: Optional[Callable[[PassResult, fx.Graph], None]] = None) -> None:
+                 on_result: Optional[Callable[[PassResult, fx.Graph], None]] = None,
+                 keep_code_before: bool = True) -> None:
         if not isinstance(cost_model, bool):
             raise TypeError(f"cost_model must be a bool, got {cost_model!r}")
         self.cost_model = cost_model
@@ -58,12 +59,15 @@ class AuxCapturePass(CustomGraphPass):
         self.results: List[PassResult] = results if results is not None else []
         self.estimate = estimate  # record memory timelines (does not change the rewrite)
         self.on_result = on_result  # told of each result with its rewritten graph
+        #: generate each result's code before (text only: does not change the rewrite)
+        self.keep_code_before = keep_code_before
 
     def __call__(self, graph: fx.Graph) -> None:
         gm: Optional[fx.GraphModule] = graph.owning_module
         if gm is None:  # a bare graph: give the pass a module to recompile
             gm = fx.GraphModule({}, graph)
-        result = run_capture_pass(gm, "post_grad", estimate=self.estimate, cost_model=self.cost_model)
+        result = run_capture_pass(gm, "post_grad", estimate=self.estimate, cost_model=self.cost_model,
+                                  keep_code_before=self.keep_code_before)
         self.results.append(result)
         if self.on_result is not None:
             self.on_result(result, gm.graph)

@@ -123,7 +123,7 @@ def test_callable_backend_bitwise_equal_to_eager():
 def test_forced_rewrite_on_dynamo_graph_eager_inner():
     model, inputs = _tiny()
     k = model.num_captures
-    backend = AuxCaptureBackend(inner="eager", cost_model=False)
+    backend = AuxCaptureBackend(inner="eager", cost_model=False, keep_code_before=True)
     _assert_compiles_bitwise(model, inputs, backend, fullgraph=True)
 
     assert len(backend.results) == 1
@@ -153,7 +153,7 @@ def test_forced_rewrite_on_dynamo_graph_eager_inner():
 def test_forced_rewrite_on_aot_graph_aot_eager_inner():
     model, inputs = _tiny()
     k = model.num_captures
-    backend = AuxCaptureBackend(inner="aot_eager", cost_model=False)
+    backend = AuxCaptureBackend(inner="aot_eager", cost_model=False, keep_code_before=True)
     _assert_compiles_bitwise(model, inputs, backend, fullgraph=True)
 
     assert len(backend.results) == 1
@@ -699,7 +699,7 @@ class OneBlock(_Three):
 def _compile_module(cls, inner, x, **kwargs):
     model = cls()
     ref = model(x.clone())
-    backend = AuxCaptureBackend(inner=inner, cost_model=False)
+    backend = AuxCaptureBackend(inner=inner, cost_model=False, keep_code_before=True)
     out = torch.compile(model, backend=backend, fullgraph=True, **kwargs)(x.clone())
     assert len(backend.results) == 1
     return out, ref, backend.results[0]
@@ -907,3 +907,21 @@ def test_design_doc_lists_every_private_api():
 
     design = open(os.path.join(os.path.dirname(__file__), "..", "docs", "design.md")).read()
     assert all(f"`{api.name}`" in design for api in PRIVATE_APIS)
+
+
+def test_code_before_is_kept_only_when_asked():
+    """The code before a rewrite is text for people, generated only with
+    ``keep_code_before=True`` (or the diff tool's estimate, or TORCH_TRACE); off, it reads
+    CODE_NOT_KEPT and the rewrite is the same."""
+    from compile_pass.capture_pass import CODE_NOT_KEPT
+
+    _, _, kept = _compile_module(ClonedCapture, "eager", X)  # keep_code_before=True
+    torch._dynamo.reset()
+    backend = AuxCaptureBackend(inner="eager", cost_model=False)
+    torch.compile(ClonedCapture(), backend=backend, fullgraph=True)(X.clone())
+    (dropped,) = backend.results
+    assert dropped.changed and dropped.code_before == CODE_NOT_KEPT
+    assert "clone" in kept.code_before
+    assert dropped.code_after == kept.code_after
+    with pytest.raises(TypeError, match="keep_code_before"):
+        AuxCaptureBackend(keep_code_before="yes")

@@ -174,7 +174,7 @@ def test_compiled_fullgraph_bitwise_and_decision(references, family, style, inne
     # a fresh wrapper, compiled before any eager call (HF installs its hidden-state hooks lazily)
     wrapper, (ids,) = hf.tiny(family, style, tokens=T, layers=LAYERS, attn_implementation=attn,
                               experts_implementation=experts)
-    backend = aux_capture_backend(inner, cost_model=cost_model)
+    backend = aux_capture_backend(inner, cost_model=cost_model, keep_code_before=True)
     out = torch.compile(wrapper, backend=backend, fullgraph=True)(ids)
     _assert_bitwise(out, references[family, experts])
 
