@@ -100,7 +100,9 @@ def hint(size: Any) -> int:
             symbols = expr.free_symbols
             if symbols and all(s.name in values for s in symbols):
                 return int(expr.xreplace({s: values[s.name] for s in symbols}))
-        return int(size.node.hint if size.node.hint is not None else size.node.shape_env.size_hint(size.node.expr))
+        node = size.node
+        known = node.hint
+        return int(known if known is not None else node.shape_env.size_hint(node.expr))
     return int(size)
 
 
@@ -296,7 +298,7 @@ class NodeTable:
         # target -> its ``_mutation_spec``: a call writes nothing if its schema writes nothing,
         # or (torch IR, no schema) its spelling writes nothing and no ``out=`` or
         # ``inplace=True`` is given (what ``mutated_inputs`` checks, without the call)
-        specs: Dict[Any, Tuple[bool, Tuple[Tuple[int, str], ...]]] = {}
+        specs: Dict[int, Tuple[bool, Tuple[Tuple[int, str], ...]]] = {}
         Tensor = torch.Tensor
         for i, node in enumerate(self.nodes):  # locals only: this loop is the pass's widest
             position[node] = i
@@ -324,12 +326,14 @@ class NodeTable:
             op = node.op
             if op == "call_function" or op == "call_method":
                 target = node.target
-                try:
-                    has_schema, written = specs[target]
+                try:  # by identity: an op's own __hash__ is Python code, and every node's
+                    # target stays alive while the graph is being read
+                    has_schema, written = specs[id(target)]
                 except KeyError:
-                    has_schema, written = specs[target] = _mutation_spec(op, target)
-                except TypeError:  # an unhashable target
-                    has_schema, written = True, ((0, ""),)  # decided by mutated_inputs below
+                    try:
+                        has_schema, written = specs[id(target)] = _mutation_spec(op, target)
+                    except TypeError:  # an unhashable target
+                        has_schema, written = True, ((0, ""),)  # mutated_inputs decides
                 if not written:
                     if has_schema:
                         continue

@@ -263,6 +263,7 @@ def _layer_depths(table: NodeTable) -> Dict[fx.Node, int]:
     key, inputs_of, writes = table.key, table.inputs, table.writes
     written_depth = written_at.get
     boundary_ops: Dict[object, bool] = {}
+    boundary_by_id: Dict[int, bool] = {}
     getitem = operator.getitem
     for n in table.nodes:  # graph order is topological: every input's depth is known
         inputs = inputs_of[n]
@@ -279,10 +280,10 @@ def _layer_depths(table: NodeTable) -> Dict[fx.Node, int]:
         # one output of a multi-output op is as deep as the op (counted at the op itself);
         # a boundary op's view of its input (classify_producer's VIEW) is no boundary
         if n.op == "call_function" and n.target is not getitem:
-            try:
-                boundary = boundary_ops[n.target]
-            except (KeyError, TypeError):  # not seen yet, or an unhashable target
-                boundary = _may_be_boundary(n, boundary_ops)
+            try:  # by identity: targets stay alive with the graph, and an op hashes in Python
+                boundary = boundary_by_id[id(n.target)]
+            except KeyError:
+                boundary = boundary_by_id[id(n.target)] = _may_be_boundary(n, boundary_ops)
             if boundary and (key[n] is None or all(key[a] != key[n] for a in inputs)):
                 base += 1
         depth[n] = base
