@@ -110,12 +110,6 @@ class WithLiftedBuffers:
         return self.compiled(*args, *self.lifted.allocate(args))
 
 
-def _is_empty(node: fx.Node) -> bool:
-    if node.op == "call_function":
-        return node.target in _EMPTY_TARGETS
-    return node.op == "call_method" and node.target in _EMPTY_METHODS
-
-
 def find_packed_buffers(graph: fx.Graph) -> List[fx.Node]:
     """Uninitialized allocations that ``write_slice_`` / ``binary_into_slice_`` calls write
     into, in graph order (the buffers of rewritten groups and of packers inside the model)."""
@@ -123,9 +117,8 @@ def find_packed_buffers(graph: fx.Graph) -> List[fx.Node]:
     allocations = nodes_calling(graph, "call_function", _EMPTY_TARGETS) + \
         nodes_calling(graph, "call_method", _EMPTY_METHODS)
     for node in sorted(allocations):
-        if _is_empty(node) and any(u.op == "call_function" and u.target in _WRITES
-                                   and (u.args[0] if u.args else u.kwargs.get("buf")) is node
-                                   for u in node.users):
+        if any(u.op == "call_function" and u.target in _WRITES
+               and (u.args[0] if u.args else u.kwargs.get("buf")) is node for u in node.users):
             buffers.append(node)
     return buffers
 
