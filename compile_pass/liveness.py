@@ -75,6 +75,21 @@ def _storage_bytes(t: torch.Tensor) -> int:
         return nbytes(t)
 
 
+def _storage_size(table: NodeTable, key: Hashable, tensor: torch.Tensor) -> int:
+    """Bytes of storage ``key``, cached on ``table``: from the table's storage object, else
+    from ``tensor`` (a value holding it)."""
+    size = table.storage_bytes.get(key)
+    if size is None:
+        storage = table.storage.get(key)
+        if storage is None:
+            size = _storage_bytes(tensor)
+        else:
+            size = storage.nbytes()
+            size = size if type(size) is int else hint(size)
+        table.storage_bytes[key] = size
+    return size
+
+
 class LivenessModel:
     """Storage intervals of one graph (see the module docstring for the model).
 
@@ -106,6 +121,10 @@ class LivenessModel:
         self.keys_of: Dict[fx.Node, Sequence[Hashable]] = dict(table.storages)
         for node, target in source_of.items():
             self.keys_of[node] = table.storages[target]
+        for node in reversed(self.nodes):
+            if node.op == "output":
+                self.keys_of[node] = []
+                break
         if source_of and not _from_scratch:
             plain = table.plain_liveness
             if not isinstance(plain, LivenessModel):
@@ -126,11 +145,10 @@ class LivenessModel:
         size: Dict[Hashable, int] = {}
         last: Dict[Hashable, int] = {}  # = last_read(key), filled in the same sweep
         preexisting = set()
-        keys_of, sizes, storage_of = self.keys_of, table.storage_bytes, table.storage
+        keys_of = self.keys_of
         for i, node in enumerate(self.nodes):
             time = 2 * i
             if node.op == "output":  # what it returns is read at the end
-                keys_of[node] = []
                 time = self.end
             for arg in inputs_of[node]:  # node is a user of arg: it reads arg's storages
                 for key in keys_of[arg]:
@@ -147,10 +165,7 @@ class LivenessModel:
                     preexisting.add(key)
                 else:
                     born[key] = time
-                    if key not in sizes:
-                        storage = storage_of.get(key)
-                        sizes[key] = hint(storage.nbytes()) if storage is not None else _storage_bytes(t)
-                    size[key] = sizes[key]
+                    size[key] = _storage_size(table, key, t)
         return {key: Interval(size[key], start, last[key]) for key, start in born.items()}
 
     def _plain_intervals(self, table: NodeTable) -> Dict[Hashable, Interval]:
@@ -158,15 +173,11 @@ class LivenessModel:
         holders and last readers: what ``_swept_intervals`` gives, without its sweep over
         every input of every node."""
         position, end = self.position, self.end
-        for node in reversed(self.nodes):  # the output node holds nothing (as in the sweep)
-            if node.op == "output":
-                self.keys_of[node] = []
-                break
         # when each node's value is last read: by its last reader (a read is always later
         # than the value's own step), else where it is produced
         read_at = {node: end if reader.op == "output" else 2 * position[reader]
                    for node, reader in table.last_reader.items()}
-        sizes, storage_of = table.storage_bytes, table.storage
+        sizes = table.storage_bytes
         intervals: Dict[Hashable, Interval] = {}
         for key, holders in table.holders.items():
             first = holders[0]
@@ -179,13 +190,7 @@ class LivenessModel:
                 last = max([read_at.get(node, 2 * position[node]) for node in holders])
             size = sizes.get(key)
             if size is None:
-                storage = storage_of.get(key)
-                if storage is None:
-                    size = _storage_bytes(table.tensors[first][table.storages[first].index(key)])
-                else:
-                    size = storage.nbytes()
-                    size = size if type(size) is int else hint(size)
-                sizes[key] = size
+                size = _storage_size(table, key, table.tensors[first][table.storages[first].index(key)])
             intervals[key] = Interval(size, born, last)
         return intervals
 
@@ -194,10 +199,6 @@ class LivenessModel:
         into anything): the storages ``computed_into`` touches get the intervals their new
         holders give them, as the sweep would; every other interval is the plain one."""
         source_of = self.computed_into
-        for node in reversed(self.nodes):  # the output node holds nothing (as in the sweep)
-            if node.op == "output":
-                self.keys_of[node] = []
-                break
         touched: Dict[Hashable, None] = {}
         for node, target in source_of.items():
             touched.update(dict.fromkeys(table.storages[node]))
@@ -214,18 +215,15 @@ class LivenessModel:
             nodes = sorted(holders[key], key=position.__getitem__)
             holders[key] = nodes
             interval = None
-            if nodes and nodes[0].op not in ("placeholder", "get_attr"):
+            if nodes and nodes[0].op not in _INPUT_OPS:
                 last = 0
                 for node in nodes:
                     last = max(last, 2 * position[node])
                     for user in node.users:
                         last = max(last, end if user.op == "output" else 2 * position[user])
                 first = nodes[0]
-                if key not in table.storage_bytes:
-                    tensor = table.tensors[source_of.get(first, first)][
-                        self.keys_of[first].index(key)]
-                    table.storage_bytes[key] = _storage_bytes(tensor)
-                interval = Interval(table.storage_bytes[key], 2 * position[first], last)
+                tensor = table.tensors[source_of.get(first, first)][self.keys_of[first].index(key)]
+                interval = Interval(_storage_size(table, key, tensor), 2 * position[first], last)
             if interval != plain.intervals.get(key):
                 changes[key] = interval
         self.intervals = dict(plain.intervals)
