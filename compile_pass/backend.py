@@ -20,7 +20,9 @@ user's own post-grad pre and post passes keep running: ours are chained after th
 
 With ``split_ops`` the pass runs on the whole Dynamo graph (custom-op writes) and each
 piece goes to the inner; Inductor pieces get ``PieceWritesPass`` and take their inputs
-boxed (``piecewise.PieceRunner``).
+boxed (``piecewise.PieceRunner``). Every Inductor graph, the pass on or off, ends with
+``DistinctOutputsPass``: Inductor would otherwise return a mutated residual itself for its
+``clone()`` (a piece's input that the next piece mutates; ``distinct_outputs.py``).
 
 ``options={"rewrite": False}`` compiles exactly the same way with the pass off.
 
@@ -103,6 +105,9 @@ class AuxCaptureBackend:
     splits: List[SplitGraph] = field(default_factory=list)
     #: captures merged with their twins by Inductor's pre pass (``CaptureTwinsPass``)
     twin_merges: List["TwinMerge"] = field(default_factory=list)
+    #: outputs Inductor would have returned as a mutated graph input, returned as copies
+    #: instead (``DistinctOutputsPass``, every Inductor graph, the pass on or off)
+    outputs_kept_distinct: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.inner, str) and self.inner in REMOVED_INNERS:
@@ -180,8 +185,8 @@ class AuxCaptureBackend:
         if self.rewrite and not warn_once_if_unsupported():
             counters["aux_capture"]["unsupported_torch"] += 1
             # the same compile with the pass off: what rewrite=False compiles
-            return dataclasses.replace(self, rewrite=False, results=[], splits=[],
-                                       twin_merges=[])(gm, example_inputs)
+            return dataclasses.replace(self, rewrite=False, results=[], splits=[], twin_merges=[],
+                                       outputs_kept_distinct=[])(gm, example_inputs)
         if self.split_ops:
             return self._compile_split(gm, example_inputs)
         if self.inner == "eager":
@@ -292,19 +297,25 @@ class AuxCaptureBackend:
         import torch._inductor.config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        from compile_pass.inductor_pass import CaptureTwinsPass, PieceWritesPass, chain_post_grad_passes
+        from compile_pass.inductor_pass import (CaptureTwinsPass, DistinctOutputsPass, PieceWritesPass,
+                                                chain_post_grad_passes)
         from compile_pass.piecewise import BoxedCall
 
         patches = self._inductor_patches()
+        post_passes: List[Any] = []
         if self.rewrite:
             existing = patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass)
             patches["post_grad_custom_pre_pass"] = chain_post_grad_passes(
                 existing, CaptureTwinsPass(self.twin_merges))
             added = self._capture_pass() if rewrite_inside else PieceWritesPass() if piece else None
             if added is not None:
-                existing = patches.get("post_grad_custom_post_pass",
-                                       inductor_config.post_grad_custom_post_pass)
-                patches["post_grad_custom_post_pass"] = chain_post_grad_passes(existing, added)
+                post_passes.append(added)
+        # last, with the pass on or off: no output handed back as a mutated input
+        post_passes.append(DistinctOutputsPass(self.outputs_kept_distinct))
+        post_pass = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
+        for added in post_passes:
+            post_pass = chain_post_grad_passes(post_pass, added)
+        patches["post_grad_custom_post_pass"] = post_pass
         if not boxed:
             return compile_fx(gm, example_inputs, config_patches=patches)
         from torch._dynamo.utils import GmWrapper

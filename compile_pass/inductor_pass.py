@@ -18,8 +18,14 @@ backend installs it whenever the pass is on; set it yourself next to ``AuxCaptur
 ``PieceWritesPass`` is the post-grad pass for pieces of a split graph, whose writes were
 put in on the Dynamo graph.
 
+``DistinctOutputsPass`` keeps each graph output distinct from the graph inputs a mutating
+op writes (``distinct_outputs.py``: stock Inductor may return the mutated residual itself
+for a ``residual.clone()`` capture). The backend runs it last on every Inductor graph,
+with the capture pass on or off; engine integrations add it to their pass managers.
+
 ``uuid()`` hashes the package's source files and the pass's options, so the FX graph
-cache misses whenever either changes and hits otherwise.
+cache misses whenever either changes and hits otherwise. It is a ``str`` (hex digest):
+vLLM serializes pass uuids into its config hash as JSON.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from torch._dynamo.utils import counters
 from compile_pass.capture_pass import PassResult, run_capture_pass
 from compile_pass.twins import TwinMerge, merge_capture_twins
 
-__all__ = ["AuxCapturePass", "CaptureTwinsPass", "PieceWritesPass"]
+__all__ = ["AuxCapturePass", "CaptureTwinsPass", "DistinctOutputsPass", "PieceWritesPass", "source_hash"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -43,6 +49,11 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 def _source_files() -> tuple:
     return tuple(sorted(os.path.join(_PACKAGE_DIR, f) for f in os.listdir(_PACKAGE_DIR)
                         if f.endswith(".py")))
+
+
+def source_hash(extra: str) -> str:
+    """Hex digest of the package's source files and ``extra`` (a pass's options)."""
+    return get_hash_for_files(_source_files(), extra=extra).hex()
 
 
 class AuxCapturePass(CustomGraphPass):
@@ -72,8 +83,8 @@ class AuxCapturePass(CustomGraphPass):
         if self.on_result is not None:
             self.on_result(result, gm.graph)
 
-    def uuid(self) -> bytes:
-        return get_hash_for_files(_source_files(), extra=f"cost_model={self.cost_model}")
+    def uuid(self) -> str:
+        return source_hash(f"cost_model={self.cost_model}")
 
     def __repr__(self) -> str:
         return f"AuxCapturePass(cost_model={self.cost_model})"
@@ -94,8 +105,8 @@ class CaptureTwinsPass(CustomGraphPass):
         self.merges.extend(merged)
         counters["aux_capture"]["twins_merged"] += len(merged)
 
-    def uuid(self) -> bytes:
-        return get_hash_for_files(_source_files(), extra="capture_twins")
+    def uuid(self) -> str:
+        return source_hash("capture_twins")
 
     def __repr__(self) -> str:
         return "CaptureTwinsPass()"
@@ -116,8 +127,33 @@ class PieceWritesPass(CustomGraphPass):
 
         write_from_twins(graph)
 
-    def uuid(self) -> bytes:
-        return get_hash_for_files(_source_files(), extra="piece_writes")
+    def uuid(self) -> str:
+        return source_hash("piece_writes")
+
+
+class DistinctOutputsPass(CustomGraphPass):
+    """Post-grad pass: outputs that Inductor would hand back as a mutated graph input get
+    the copy the program made (``distinct_outputs.keep_outputs_distinct``).
+
+    ``replaced`` collects the replaced outputs' names, graph after graph. Run it last: a
+    later pass that drops clones would undo it.
+    """
+
+    def __init__(self, replaced: Optional[List[str]] = None) -> None:
+        self.replaced: List[str] = replaced if replaced is not None else []
+
+    def __call__(self, graph: fx.Graph) -> None:
+        from compile_pass.distinct_outputs import keep_outputs_distinct
+
+        replaced = keep_outputs_distinct(graph)
+        self.replaced.extend(n.name for n in replaced)
+        counters["aux_capture"]["outputs_kept_distinct"] += len(replaced)
+
+    def uuid(self) -> str:
+        return source_hash("distinct_outputs")
+
+    def __repr__(self) -> str:
+        return "DistinctOutputsPass()"
 
 
 class _ChainedPass(CustomGraphPass):
@@ -133,9 +169,9 @@ class _ChainedPass(CustomGraphPass):
     def uuid(self) -> Optional[Any]:
         first = self.first.uuid() if hasattr(self.first, "uuid") else None
         second = self.second.uuid()
-        if first is None:
-            return None  # an uncacheable first pass keeps the chain uncacheable
-        return f"{first!r}+{second!r}"
+        if first is None or second is None:
+            return None  # an uncacheable pass keeps the chain uncacheable
+        return f"{first}+{second}"
 
 
 def chain_post_grad_passes(existing: Optional[Callable[[fx.Graph], None]],

@@ -1,0 +1,127 @@
+"""Keep a compiled graph's outputs distinct from the inputs that a mutating op writes.
+
+Stock Inductor (seen on torch 2.11, 2.13 and 2.14) can hand back a graph *input* where the
+program returned a copy of it. For::
+
+    torch.ops.ns.fused_add_norm_(h, residual, w)   # a custom op mutating residual
+    capture = residual.clone()
+    return capture
+
+AOTAutograd's graph is ``af = auto_functionalized(op, ..., residual=arg1)``,
+``clone(af[2])``, ``copy_(arg1, af[2])``. ``remove_noop_ops`` (joint-graph and post-grad
+passes) drops the clone: its guard against new input/output aliasing looks at storages,
+and ``af[2]`` is a fresh value, not yet the input. Reinplacing then makes ``af[2]`` the
+input itself, so the graph returns ``arg1``. A later in-place write to the residual (the
+next piece of a piecewise build, the next layer's fused norm) changes the "copy".
+
+``keep_outputs_distinct(graph)`` runs on the post-grad graph (after those passes, before
+reinplacing) and is the invariant this module keeps: **no graph output shares storage with
+a value that is written back into a graph input by a mutating op's functionalized form**.
+Each such output is replaced by a ``clone`` of it, which is what the program asked for
+(the clone Inductor removed). Only outputs of ``auto_functionalized``,
+``auto_functionalized_v2`` and ``triton_kernel_wrapper_functional`` (and views of them)
+qualify: an ordinary aten op's result copied into an input is lowered by Inductor into a
+buffer of its own, so it already is distinct and gets no extra copy.
+
+Pure over the graph; returns the outputs it replaced so callers can say what they did.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.fx as fx
+
+__all__ = ["keep_outputs_distinct", "written_back_storages"]
+
+log = logging.getLogger("compile_pass")
+
+_aten = torch.ops.aten
+
+
+def _functionalized_hops() -> tuple:
+    hops = []
+    higher_order = torch.ops.higher_order
+    for name in ("auto_functionalized", "auto_functionalized_v2", "triton_kernel_wrapper_functional"):
+        hop = getattr(higher_order, name, None)
+        if hop is not None:
+            hops.append(hop)
+    return tuple(hops)
+
+
+def _storage(node: Any) -> Optional[int]:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return id(value.untyped_storage())
+    except (NotImplementedError, RuntimeError):  # a tensor subclass without storage
+        return None
+
+
+def _is_functionalized_output(node: fx.Node, hops: tuple) -> bool:
+    """``getitem(hop(...), i)``: a mutated argument's new value out of a functionalized op."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    source = node.args[0]
+    return isinstance(source, fx.Node) and source.op == "call_function" and source.target in hops
+
+
+def written_back_storages(graph: fx.Graph) -> Dict[int, fx.Node]:
+    """Storage of each functionalized op's output that ``copy_`` writes back into a graph
+    input (it becomes that input once Inductor reinplaces) -> the input it becomes."""
+    hops = _functionalized_hops()
+    found: Dict[int, fx.Node] = {}
+    for copy in graph.find_nodes(op="call_function", target=_aten.copy_.default):
+        dst, src = copy.args[0], copy.args[1]
+        if not (isinstance(dst, fx.Node) and dst.op == "placeholder" and isinstance(src, fx.Node)):
+            continue
+        if not _is_functionalized_output(src, hops):
+            continue
+        storage = _storage(src)
+        if storage is not None:
+            found[storage] = dst
+    return found
+
+
+def keep_outputs_distinct(graph: fx.Graph) -> List[fx.Node]:
+    """Clone every output that would become (a view of) a mutated graph input; return the
+    outputs replaced, in output order. A graph with none is left unchanged."""
+    output = next(iter(reversed(graph.nodes)))
+    if output.op != "output":
+        return []
+    written_back = written_back_storages(graph)
+    if not written_back:
+        return []
+    replaced: List[fx.Node] = []
+    clones: Dict[fx.Node, fx.Node] = {}
+
+    def distinct(arg: Any) -> Any:
+        if not isinstance(arg, fx.Node) or _storage(arg) not in written_back:
+            return arg
+        if arg not in clones:
+            with graph.inserting_before(output):
+                clone = graph.call_function(_aten.clone.default, (arg,))
+            clone.meta.update({k: v for k, v in arg.meta.items() if k != "val"})
+            value = arg.meta["val"]
+            with _fake_mode_of(value):
+                clone.meta["val"] = value.clone()
+            clones[arg] = clone
+            replaced.append(arg)
+            log.info("aux_capture: output %s would be graph input %s after reinplacing "
+                     "(Inductor dropped its clone); returning a copy", arg.name,
+                     written_back[_storage(arg)].name)
+        return clones[arg]
+
+    output.args = tuple(fx.node.map_arg(a, distinct) for a in output.args)
+    return replaced
+
+
+def _fake_mode_of(value: torch.Tensor) -> Any:
+    import contextlib
+
+    mode = getattr(value, "fake_mode", None)
+    return mode if mode is not None else contextlib.nullcontext()
