@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 HF_PIN    ?= transformers==5.24.0
 N         ?= 1000
 
-.PHONY: demo test compat bench scale fuzz gpu-check gpu-dry-run clean
+.PHONY: demo test compat vllm sglang bench scale fuzz gpu-check gpu-dry-run clean
 
 $(VENV)/.installed-%: pyproject.toml
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -57,6 +57,17 @@ compat:
 	  TORCHINDUCTOR_CACHE_DIR="$(COMPAT_DIR)/inductor-cache-$$v" \
 	    "$$venv/bin/python" -m pytest -q -p no:cacheprovider -m "$(COMPAT_MARKS)" -k "$(COMPAT_SKIP)" $(COMPAT_TESTS); \
 	done
+
+# ---- engine tiers: the integrations tested against the real packages (venvs in COMPAT_DIR)
+# vllm: BEGIN (owned by the vLLM integration; tests/test_vllm*.py)
+vllm:
+	@echo "make vllm: not written yet"
+# vllm: END
+
+# sglang: BEGIN (owned by the SGLang / SpecForge integration; tests/test_sglang*.py)
+sglang:
+	@echo "make sglang: not written yet"
+# sglang: END
 
 bench: $(VENV)/.installed-test
 	PYTHONPATH=. $(PYTHON) benchmarks/capture_memory.py --out bench-results/capture_memory.json
