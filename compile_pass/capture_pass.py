@@ -247,11 +247,15 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
                              buffer_born=0 if target.lift else None)
     group.estimated_peak_before, group.estimated_peak_after = before, after
     slack = _lift_slack(group) if target.lift else 0
-    worse = after > before + slack if slack else after >= before
+    # returned captures: a tie still saves the caller's K*T*H copy (its pack becomes a view),
+    # so only a rise rejects; a concat in the graph must lower the peak
+    outputs = group.kind is GroupKind.OUTPUTS
+    worse = after > before + slack if slack or outputs else after >= before
     if worse and cost_model:
         fused = [c for c in group.captures if inductor_computes_into(c.node, state.table)]
-        why = f"estimated peak would not drop ({_mib(before)} -> {_mib(after)})" if not slack else \
-            f"estimated peak would rise by more than one capture ({_mib(before)} -> {_mib(after)})"
+        why = f"estimated peak would not drop ({_mib(before)} -> {_mib(after)})" if not slack and not outputs \
+            else f"estimated peak would rise ({_mib(before)} -> {_mib(after)})" if not slack \
+            else f"estimated peak would rise by more than one capture ({_mib(before)} -> {_mib(after)})"
         if target.inductor_cost and fused:
             why += (f"; Inductor already computes {len(fused)} of {group.k} captures straight "
                     f"into the concat output")
@@ -263,6 +267,8 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
     group.reason = f"estimated peak {_mib(before)} -> {_mib(after)} ({(after - before) / before:+.0%})"
     if worse:
         group.reason += "; rewritten because the cost model is off"
+    elif outputs and after >= before:
+        group.reason += "; a tie: the caller's pack becomes a view of the returned buffer"
     elif after >= before:
         group.reason += ("; within one capture of the list path: the buffer is allocated by the "
                          "caller, outside Inductor's memory plan, which the list path's concat "

@@ -32,6 +32,7 @@ from compile_pass import (  # noqa: E402
     AuxCaptureBackend,
     AuxCapturePass,
     CaptureTwinsPass,
+    DistinctOutputsPass,
     Decision,
     PassResult,
     Producer,
@@ -387,30 +388,33 @@ def test_mode_and_inductor_options_reach_compile_fx(monkeypatch):
         return (seen[-1].pop("post_grad_custom_pre_pass", None),
                 seen[-1].pop("post_grad_custom_post_pass", None))
 
-    # the pass runs on the Dynamo graph; Inductor gets the capture-twins pre pass only
+    # the pass runs on the Dynamo graph; Inductor gets the capture-twins pre pass and, as
+    # every Inductor graph, DistinctOutputsPass last
     pre, post = compile_and_pop_passes("aux_capture", mode="max-autotune-no-cudagraphs")
     assert seen[-1] == mode_options and not seen[-1].get("triton.cudagraphs", False)
-    assert isinstance(pre, CaptureTwinsPass) and post is None
+    assert isinstance(pre, CaptureTwinsPass) and isinstance(post, DistinctOutputsPass)
 
     backend = aux_capture_backend(mode="max-autotune-no-cudagraphs", cost_model=False, epilogue_fusion=False)
     pre, post = compile_and_pop_passes(backend)
     assert seen[-1] == {**mode_options, "epilogue_fusion": False}
-    assert isinstance(pre, CaptureTwinsPass) and post is None
+    assert isinstance(pre, CaptureTwinsPass) and isinstance(post, DistinctOutputsPass)
     assert pre.merges is backend.twin_merges  # the backend sees what the pre pass merged
     assert backend.results and backend.results[-1].target == "dynamo_lifted"
 
     pre, post = compile_and_pop_passes("aux_capture")
     assert isinstance(pre, CaptureTwinsPass) and seen[-1] == {}  # default: no other patches
-    # rewrite=False: Inductor exactly as without the backend
-    assert compile_and_pop_passes("aux_capture", options={"rewrite": False}) == (None, None)
+    # rewrite=False: Inductor as without the backend, outputs kept distinct from mutated inputs
+    pre, post = compile_and_pop_passes("aux_capture", options={"rewrite": False})
+    assert pre is None and isinstance(post, DistinctOutputsPass)
     assert seen[-1] == {}
 
     # CUDA-graph modes keep the buffer inside the graph: the pass runs after AOTAutograd
     pre, post = compile_and_pop_passes("aux_capture", mode="reduce-overhead")
-    assert isinstance(pre, CaptureTwinsPass) and isinstance(post, AuxCapturePass)
+    assert isinstance(pre, CaptureTwinsPass)
+    assert isinstance(post.first, AuxCapturePass) and isinstance(post.second, DistinctOutputsPass)
 
     # a pre pass the user already set runs first, then the twins pass; a user's post pass
-    # is left to Inductor's config
+    # runs first too, then DistinctOutputsPass
     calls = []
 
     class UserPass(torch._inductor.custom_graph_pass.CustomGraphPass):
@@ -422,10 +426,12 @@ def test_mode_and_inductor_options_reach_compile_fx(monkeypatch):
 
     with inductor_config.patch(post_grad_custom_pre_pass=UserPass(), post_grad_custom_post_pass=UserPass()):
         chained, post = compile_and_pop_passes("aux_capture")
-    assert post is None and not isinstance(chained, CaptureTwinsPass) and chained.uuid() is not None
+    assert not isinstance(chained, CaptureTwinsPass) and chained.uuid() is not None
     assert "user-pass" in str(chained.uuid())
     chained(torch.fx.Graph())
     assert calls == ["user"]
+    assert isinstance(post.first, UserPass) and isinstance(post.second, DistinctOutputsPass)
+    assert "user-pass" in post.uuid()
 
 
 # --------------------------------------------------------------------------- 6. Inductor

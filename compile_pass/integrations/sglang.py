@@ -1,0 +1,273 @@
+"""SGLang plugin: Eagle3/DFlash captures written in place into one packed buffer.
+
+Switched on by the user (SGLang loads every installed ``sglang.srt.plugins`` entry point,
+so the plugin itself checks an opt-in)::
+
+    COMPILE_PASS_SGLANG=1 python -m sglang.launch_server ...   # SGLANG_PLUGINS=aux_capture
+                                                              # additionally restricts SGLang
+                                                              # to this plugin
+
+or, in process (SpecForge's offline capture backend, which builds SGLang's ``ModelRunner``
+without running SGLang's plugin loader): ``import compile_pass.integrations.sglang as p;
+p.enable()`` before the model runner is created.
+
+What it does (sglang 0.5.23, through SGLang's own ``HookRegistry``):
+
+- replaces ``sglang.srt.layers.aux_hidden_states.AuxHiddenStateList`` (every module that
+  imported it) by :class:`PackingAuxHiddenStateList`, a subclass whose ``capture`` /
+  ``append`` copy each capture into its slice of one ``[tokens, K * hidden]`` buffer and
+  keep the slice (no clone: the copy is the snapshot). K is read from the model's
+  ``layers_to_capture`` by an around-hook on ``ModelRunner.forward`` (a context variable,
+  never a caller's frame);
+- replaces ``pack_aux_hidden_states`` by one that returns a view when the captures are
+  adjacent slices of one buffer (the logits processor's pack), else SGLang's own ``torch.cat``;
+- with ``--enable-torch-compile`` (``COMPILE_PASS_SGLANG_COMPILE=1``, default on): sets
+  this project's post-grad capture pass on Inductor's global config, which SGLang's
+  compile of ``model.forward`` honours (only where the user has set no pass of their own).
+
+Anything unexpected (another SGLang layout, a class that is no list, a capture whose shape
+differs, more captures than ``layers_to_capture``) is a warning naming it, and SGLang runs
+as without the plugin (a capture falls back to the list's own clone).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import os
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from compile_pass.packer import pack_aux_hidden_states as _cp_pack
+
+__all__ = ["register", "enable", "enabled_by_env", "PackingAuxHiddenStateList", "pack_view",
+           "covered_models", "STATE"]
+
+logger = logging.getLogger("compile_pass.sglang")
+
+ENV = "COMPILE_PASS_SGLANG"
+ENV_COMPILE = "COMPILE_PASS_SGLANG_COMPILE"
+AUX_MODULE = "sglang.srt.layers.aux_hidden_states"
+RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+
+#: K for the forward in progress (set around ``ModelRunner.forward``); None: not known.
+_num_captures: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
+    "compile_pass_sglang_k", default=None)
+
+#: what register() did: ``active``, ``reason`` (why not), originals kept at registration.
+STATE: dict = {"active": False, "reason": "not registered", "orig_list": None,
+               "orig_pack": None, "fallbacks": 0, "packed": 0}
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(f"compile_pass SGLang plugin: {msg}", RuntimeWarning, stacklevel=3)
+    logger.warning(msg)
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class _PackingMixin:
+    """Copy-on-capture into one packed buffer; the list holds the slices (adjacent views)."""
+
+    _cp_buffer: Optional[torch.Tensor] = None
+    _cp_k: Optional[int] = None
+    _cp_off = False
+
+    def _cp_write(self, hidden: torch.Tensor) -> bool:
+        if self._cp_off or torch.compiler.is_compiling() or not isinstance(hidden, torch.Tensor):
+            return False
+        if self._cp_buffer is None:
+            k = _num_captures.get()
+            if k is None or k < 1 or hidden.dim() < 1 or len(self) != 0:
+                self._cp_off = True
+                return False
+            self._cp_k = k
+            self._cp_buffer = hidden.new_empty((*hidden.shape[:-1], k * hidden.shape[-1]))
+        buf, n, h = self._cp_buffer, len(self), hidden.shape[-1]
+        if (n >= self._cp_k or tuple(hidden.shape[:-1]) != tuple(buf.shape[:-1])
+                or h * self._cp_k != buf.shape[-1] or hidden.dtype != buf.dtype
+                or hidden.device != buf.device):
+            _warn(f"capture {n} ({tuple(hidden.shape)} {hidden.dtype}) does not fit the packed "
+                  f"buffer {tuple(buf.shape)} {buf.dtype} for K={self._cp_k}: this forward "
+                  f"captures as without the plugin")
+            STATE["fallbacks"] += 1
+            self._cp_off = True
+            return False
+        slot = buf[..., n * h:(n + 1) * h]
+        slot.copy_(hidden)
+        list.append(self, slot)
+        return True
+
+    def append(self, hidden):  # noqa: D401 - list API
+        if not self._cp_write(hidden):
+            list.append(self, hidden)
+
+    def capture(self, hidden: torch.Tensor, *, owned: bool = False) -> None:
+        if not self._cp_write(hidden):
+            list.append(self, hidden if owned else hidden.clone())
+
+
+class PackingAuxHiddenStateList(_PackingMixin, list):
+    """Stand-in base; :func:`_make_list_class` derives the one registered from SGLang's class."""
+
+
+def _make_list_class(orig: type) -> type:
+    cls = type("AuxHiddenStateList", (_PackingMixin, orig), {
+        "__module__": __name__,
+        "__doc__": f"compile_pass: {orig.__module__}.{orig.__qualname__} writing its captures "
+                   "in place into one packed buffer.",
+        "_cp_original": orig,
+    })
+    return cls
+
+
+def pack_view(aux_hidden_states):
+    """SGLang's ``pack_aux_hidden_states``, a view where the captures are adjacent slices."""
+    if isinstance(aux_hidden_states, (list, tuple)) and len(aux_hidden_states) > 1:
+        try:
+            out = _cp_pack(aux_hidden_states)
+        except Exception:  # anything ours rejects: SGLang's own
+            return STATE["orig_pack"](aux_hidden_states)
+        STATE["packed"] += 1
+        return out
+    return STATE["orig_pack"](aux_hidden_states)
+
+
+def _find_k(model: Any) -> Optional[int]:
+    cached = getattr(model, "_compile_pass_k", None)
+    if cached is not None:
+        return cached or None
+    k = 0
+    if isinstance(model, torch.nn.Module):
+        for mod in model.modules():
+            layers = mod.__dict__.get("layers_to_capture")
+            if layers is not None and not isinstance(layers, torch.Tensor):
+                try:
+                    k = len(layers)
+                except TypeError:
+                    k = 0
+                break
+    try:
+        object.__setattr__(model, "_compile_pass_k", k)
+    except Exception:
+        pass
+    return k or None
+
+
+def _runner_forward(original_fn, self, *args, **kwargs):
+    k = _find_k(getattr(self, "model", None))
+    token = _num_captures.set(k)
+    try:
+        return original_fn(self, *args, **kwargs)
+    finally:
+        _num_captures.reset(token)
+
+
+def _set_compile_pass() -> None:
+    if os.environ.get(ENV_COMPILE, "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    try:
+        import torch._inductor.config as ic
+
+        from compile_pass.inductor_pass import (AuxCapturePass, CaptureTwinsPass,
+                                                DistinctOutputsPass, _ChainedPass)
+    except Exception as e:  # torch without the APIs the pass needs
+        _warn(f"the capture pass is not set for --enable-torch-compile ({e!r})")
+        return
+    if ic.post_grad_custom_post_pass is None:
+        # DistinctOutputsPass last: no clone of a mutated input handed back (issue 22)
+        ic.post_grad_custom_post_pass = _ChainedPass(AuxCapturePass(), DistinctOutputsPass())
+    else:
+        _warn(f"torch._inductor.config.post_grad_custom_post_pass is already "
+              f"{ic.post_grad_custom_post_pass!r}: the capture pass is not added")
+    if ic.post_grad_custom_pre_pass is None:
+        ic.post_grad_custom_pre_pass = CaptureTwinsPass()
+
+
+def enable(*, registry: Any = None, apply: bool = True) -> bool:
+    """Register the hooks (and apply them unless ``apply=False``); True when active.
+
+    Idempotent. Anything unexpected: a warning naming it, nothing registered.
+    """
+    if STATE["active"]:
+        return True
+    try:
+        import importlib
+
+        aux = importlib.import_module(AUX_MODULE)
+        if registry is None:
+            from sglang.srt.plugins.hook_registry import HookRegistry as registry  # noqa: N813
+        from sglang.srt.plugins.hook_registry import HookType
+    except Exception as e:
+        STATE["reason"] = f"SGLang layout not as expected: {e!r}"
+        _warn(STATE["reason"] + "; SGLang runs without the plugin")
+        return False
+    orig_list = getattr(aux, "AuxHiddenStateList", None)
+    orig_pack = getattr(aux, "pack_aux_hidden_states", None)
+    problems = []
+    if getattr(orig_list, "_cp_original", None) is not None:
+        orig_list = orig_list._cp_original  # already ours (a second registry): keep the original
+    if not (isinstance(orig_list, type) and issubclass(orig_list, list)
+            and callable(getattr(orig_list, "capture", None))):
+        problems.append(f"{AUX_MODULE}.AuxHiddenStateList is {orig_list!r}, not a list class "
+                        "with capture()")
+    if not callable(orig_pack):
+        problems.append(f"{AUX_MODULE}.pack_aux_hidden_states is missing")
+    try:
+        from sglang.srt.model_executor.model_runner import ModelRunner
+        if not callable(getattr(ModelRunner, "forward", None)):
+            problems.append("ModelRunner.forward is missing")
+    except Exception as e:
+        problems.append(f"sglang.srt.model_executor.model_runner does not import ({e!r})")
+    if problems:
+        STATE["reason"] = "; ".join(problems)
+        _warn(STATE["reason"] + "; SGLang runs without the plugin")
+        return False
+    STATE.update(orig_list=orig_list, orig_pack=orig_pack)
+    registry.register(f"{AUX_MODULE}.AuxHiddenStateList", _make_list_class(orig_list),
+                      HookType.REPLACE)
+    registry.register(f"{AUX_MODULE}.pack_aux_hidden_states", pack_view, HookType.REPLACE)
+    registry.register(RUNNER_FORWARD, _runner_forward, HookType.AROUND)
+    if apply:
+        registry.apply_hooks()
+    _set_compile_pass()
+    STATE.update(active=True, reason="")
+    logger.info("compile_pass SGLang plugin active: captures packed in place")
+    return True
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point: active only with ``COMPILE_PASS_SGLANG=1``.
+
+    SGLang's loader applies the registry's hooks after every plugin has run.
+    """
+    if not enabled_by_env():
+        STATE["reason"] = f"{ENV} is not set"
+        return
+    enable(apply=False)
+
+
+def covered_models(models_dir: Optional[str] = None) -> dict:
+    """Model files of the installed SGLang by capture style, read from their source."""
+    import pathlib
+    import re
+
+    if models_dir is None:
+        import importlib.util
+
+        spec = importlib.util.find_spec("sglang.srt.models")
+        models_dir = list(spec.submodule_search_locations)[0]
+    out = {"AuxHiddenStateList": [], "packer": [], "plain list": []}
+    for path in sorted(pathlib.Path(models_dir).glob("*.py")):
+        src = path.read_text(errors="replace")
+        if re.search(r"AuxHiddenStateList\(\)", src):
+            out["AuxHiddenStateList"].append(path.stem)
+        elif "AuxHiddenStatePacker" in src:
+            out["packer"].append(path.stem)
+        elif re.search(r"aux_hidden_states\s*=\s*\[\]", src) and "layers_to_capture" in src:
+            out["plain list"].append(path.stem)
+    return out

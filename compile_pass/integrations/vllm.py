@@ -1,0 +1,394 @@
+"""vLLM general plugin: aux hidden states packed into one buffer inside vLLM 0.33.0.
+
+Switched on by ``COMPILE_PASS_VLLM=1`` in the environment of every vLLM process (vLLM
+loads ``vllm.general_plugins`` entry points in each worker; when ``VLLM_PLUGINS`` is set
+it is an allow-list and must name ``aux_capture``). Without the variable ``register()``
+does nothing. What it changes (docs/vllm.md):
+
+1. ``vllm.compilation.backends.split_graph`` (a module global, looked up at call time):
+   ``compile_pass.rewrite_graph(gm, split_ops=<vLLM's splitting ops>, pack_outputs=True)``
+   runs on the whole Dynamo graph first, so the returned captures are adjacent slices of
+   one buffer, written in place by every piece.
+2. ``PostGradPassManager.configure``: one more vLLM ``InductorPass`` per Inductor piece,
+   ``PieceWritesPass`` then ``DistinctOutputsPass`` (a returned capture is written from the
+   sum the piece returns anyway instead of a second fresh sum; no output aliases a
+   mutated input). Its uuid enters the pass manager's uuid.
+3. The runner / speculator concats (``torch.cat`` in the V1 runner, in MRV2's Eagle3 and
+   DFlash speculators): those modules' ``torch`` global becomes a proxy whose ``cat``
+   returns the packed view when the list is adjacent slices of one buffer (otherwise the
+   same ``torch.cat``).
+4. FULL CUDA graphs (MRV2 ``ModelCudaGraphManager``): its K persistent aux buffers become
+   K column views of one ``[max_tokens, K*H]`` buffer, so the concat after replay is a view.
+5. Uncompiled models (``EagleModelMixin._maybe_add_hidden_state`` outside torch.compile):
+   each capture is written into its slice of one packed buffer.
+6. ``VllmConfig.compute_hash``: the plugin's tag and source hash are mixed in, so vLLM's
+   compile cache does not reuse artifacts built without the plugin (or vice versa).
+
+Every vLLM name the plugin touches is checked before anything is patched; where one is
+missing or differs the plugin logs a warning naming it and patches nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import logging
+import os
+import threading
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+ENV_VAR = "COMPILE_PASS_VLLM"
+SUPPORTED = "0.33"
+
+logger = logging.getLogger("compile_pass.vllm")
+
+#: what register() patched: (owner, attribute name, original value); undo() restores them
+_PATCHES: List[tuple] = []
+_LOCK = threading.Lock()
+#: counters of what the plugin did in this process (tests and docs read them)
+stats: Dict[str, int] = {"graphs_rewritten": 0, "groups_rewritten": 0, "rewrite_errors": 0,
+                         "cat_views": 0, "cat_copies": 0, "eager_captures": 0,
+                         "static_buffers": 0, "piece_passes": 0}
+
+_SPECULATOR_MODULES = (
+    "vllm.v1.worker.gpu_model_runner",                           # V1: propose_draft_token_ids
+    "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator",  # MRV2 Eagle3
+    "vllm.v1.worker.gpu.spec_decode.dflash.speculator",         # MRV2 DFlash
+)
+
+
+class PluginMismatch(Exception):
+    """A vLLM internal the plugin relies on is missing or differs."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_active() -> bool:
+    return bool(_PATCHES)
+
+
+# ---------------------------------------------------------------- 3: the concat as a view
+class _ViewCatTorch:
+    """Stands for the ``torch`` module in a runner module: ``cat`` of adjacent slices of one
+    buffer along the last dim returns that buffer's view; every other call is torch's."""
+
+    def __init__(self, torch_module: Any) -> None:
+        object.__setattr__(self, "_torch", torch_module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._torch, name, value)
+
+    def cat(self, tensors: Any, dim: int = 0, *args: Any, **kwargs: Any) -> Any:
+        torch = self._torch
+        if (not args and not kwargs and isinstance(tensors, (list, tuple)) and len(tensors) >= 2
+                and all(isinstance(t, torch.Tensor) for t in tensors)
+                and not torch.compiler.is_compiling()):
+            nd = tensors[0].dim()
+            if nd >= 1 and dim in (-1, nd - 1):
+                from compile_pass.packer import _adjacent_view
+
+                view = _adjacent_view(tensors)
+                if view is not None:
+                    stats["cat_views"] += 1
+                    return view
+                stats["cat_copies"] += 1
+        return torch.cat(tensors, dim, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<compile_pass view-cat proxy of {self._torch!r}>"
+
+
+# ---------------------------------------------------------------- 4: one static buffer
+class _PackedAuxBuffers:
+    """Data descriptor for ``ModelCudaGraphManager.aux_hidden_states``: a list of K >= 2
+    same-shaped fresh buffers assigned to it is replaced by K column views of one
+    ``[*, K*H]`` buffer (``packed_aux_buffer`` on the instance)."""
+
+    name = "aux_hidden_states"
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        return obj.__dict__.get(self.name, [])
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.name] = pack_static_buffers(value, obj)
+
+
+def pack_static_buffers(value: Any, owner: Any = None) -> Any:
+    """K same-shaped tensors -> K adjacent column views of one new buffer (else as is)."""
+    import torch
+
+    if not isinstance(value, list) or len(value) < 2:
+        return value
+    first = value[0]
+    if not all(isinstance(t, torch.Tensor) and t.shape == first.shape and t.dtype == first.dtype
+               and t.device == first.device and t.dim() >= 1 for t in value):
+        return value
+    from compile_pass.packer import _adjacent_view
+
+    if _adjacent_view(value) is not None:
+        return value
+    width = first.shape[-1]
+    buf = torch.empty((*first.shape[:-1], width * len(value)), dtype=first.dtype,
+                      device=first.device)
+    if owner is not None:
+        owner.__dict__["packed_aux_buffer"] = buf
+    stats["static_buffers"] += 1
+    return [buf[..., i * width:(i + 1) * width] for i in range(len(value))]
+
+
+# ---------------------------------------------------------------- 5: uncompiled models
+def _eager_capture(original: Callable) -> Callable:
+    def _maybe_add_hidden_state(self, aux_hidden_states, layer_idx, hidden_states, residual):
+        import torch
+
+        layers = getattr(self, "aux_hidden_state_layers", ())
+        if (torch.compiler.is_compiling() or layer_idx not in layers
+                or not isinstance(aux_hidden_states, list) or len(layers) < 2):
+            return original(self, aux_hidden_states, layer_idx, hidden_states, residual)
+        k = len(layers)
+        state = self.__dict__.get("_compile_pass_aux")
+        if not aux_hidden_states or state is None or state[0] is not aux_hidden_states:
+            if aux_hidden_states:  # a list the plugin did not start: leave it to vLLM
+                return original(self, aux_hidden_states, layer_idx, hidden_states, residual)
+            from compile_pass.packer import AuxHiddenStatePacker
+
+            state = (aux_hidden_states, AuxHiddenStatePacker(k))
+            self.__dict__["_compile_pass_aux"] = state
+        packer = state[1]
+        if len(packer) >= k:
+            return original(self, aux_hidden_states, layer_idx, hidden_states, residual)
+        slot = packer.slot(hidden_states)
+        if residual is not None:
+            torch.add(hidden_states, residual, out=slot)
+        else:
+            slot.copy_(hidden_states)
+        aux_hidden_states.append(slot)
+        if len(packer) >= k:
+            self.__dict__.pop("_compile_pass_aux", None)  # the list no longer refers to it
+        stats["eager_captures"] += 1
+        return aux_hidden_states
+
+    _maybe_add_hidden_state.__wrapped__ = original
+    return _maybe_add_hidden_state
+
+
+# ---------------------------------------------------------------- 1: rewrite before split
+def _split_ops_of(splitting_ops: Any) -> List[str]:
+    return [op for op in (splitting_ops or []) if isinstance(op, str) and "::" in op]
+
+
+def _rewrite_then_split(original: Callable) -> Callable:
+    def split_graph(graph, splitting_ops, *args, **kwargs):
+        try:
+            from compile_pass import rewrite_graph
+
+            result = rewrite_graph(graph, split_ops=_split_ops_of(splitting_ops), pack_outputs=True)
+            rewritten = sum(1 for g in result.groups if g.decision.value == "rewrite")
+            stats["graphs_rewritten"] += 1
+            stats["groups_rewritten"] += rewritten
+            logger.info("compile_pass: %d capture group(s) rewritten before vLLM's split", rewritten)
+        except Exception as e:  # never a failed compile: split the graph as is
+            stats["rewrite_errors"] += 1
+            logger.warning("compile_pass: rewrite before vLLM's split failed (%s: %s); "
+                           "splitting the graph unchanged", type(e).__name__, e)
+        return original(graph, splitting_ops, *args, **kwargs)
+
+    split_graph.__wrapped__ = original
+    return split_graph
+
+
+# ---------------------------------------------------------------- 2: per-piece passes
+def _piece_pass_class(inductor_pass_base: type) -> type:
+    from compile_pass.inductor_pass import DistinctOutputsPass, PieceWritesPass
+
+    class CompilePassPieces(inductor_pass_base):  # a vLLM InductorPass
+        """This project's per-piece post-grad passes, in vLLM's post-grad pass manager."""
+
+        def __init__(self) -> None:
+            self.writes = PieceWritesPass()
+            self.distinct = DistinctOutputsPass()
+
+        def __call__(self, graph) -> None:
+            self.writes(graph)
+            self.distinct(graph)
+            stats["piece_passes"] += 1
+
+        def uuid(self) -> str:
+            return hashlib.sha256(
+                f"{self.writes.uuid()}+{self.distinct.uuid()}".encode()).hexdigest()
+
+        def is_applicable_for_range(self, compile_range: Any) -> bool:
+            return True
+
+    return CompilePassPieces
+
+
+def _configure_with_pieces(original: Callable, piece_cls: type) -> Callable:
+    def configure(self, config, *args, **kwargs):
+        out = original(self, config, *args, **kwargs)
+        self.passes.append(piece_cls())  # after vLLM's own passes
+        return out
+
+    configure.__wrapped__ = original
+    return configure
+
+
+# ---------------------------------------------------------------- 6: the cache key
+def plugin_hash() -> str:
+    from compile_pass.inductor_pass import source_hash
+
+    here = os.path.abspath(__file__)
+    with open(here, "rb") as f:
+        mine = hashlib.sha256(f.read()).hexdigest()
+    return source_hash(f"vllm_plugin:{mine}")
+
+
+def _hash_with_plugin(original: Callable) -> Callable:
+    tag: List[str] = []
+
+    def compute_hash(self, *args, **kwargs):
+        base = original(self, *args, **kwargs)
+        if not tag:
+            tag.append(plugin_hash())
+        return hashlib.sha256(f"{base}+compile_pass:{tag[0]}".encode()).hexdigest()[:len(base) or 64]
+
+    compute_hash.__wrapped__ = original
+    return compute_hash
+
+
+# ---------------------------------------------------------------- checks and install
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise PluginMismatch(what)
+
+
+def _params(fn: Callable) -> List[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def _plan() -> List[tuple]:
+    """(owner, name, new value) for every patch; raises PluginMismatch naming what differs."""
+    try:
+        import vllm
+    except Exception as e:  # noqa: BLE001
+        raise PluginMismatch(f"import vllm failed: {type(e).__name__}: {e}")
+    version = getattr(vllm, "__version__", "?")
+    if not str(version).startswith(SUPPORTED):
+        raise PluginMismatch(f"vllm {version} (the plugin is written for vllm {SUPPORTED}.x)")
+    import torch
+
+    def mod(name: str) -> Any:
+        try:
+            return importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001
+            raise PluginMismatch(f"import {name} failed: {type(e).__name__}: {e}")
+
+    plan: List[tuple] = []
+    backends = mod("vllm.compilation.backends")
+    split = getattr(backends, "split_graph", None)
+    _need(callable(split), "vllm.compilation.backends.split_graph is missing")
+    _need(_params(split)[:2] == ["graph", "splitting_ops"],
+          f"vllm.compilation.backends.split_graph{inspect.signature(split)} "
+          "(expected (graph, splitting_ops))")
+    plan.append((backends, "split_graph", _rewrite_then_split(split)))
+
+    pm = mod("vllm.compilation.passes.pass_manager")
+    ip = mod("vllm.compilation.passes.inductor_pass")
+    mgr = getattr(pm, "PostGradPassManager", None)
+    base = getattr(ip, "InductorPass", None)
+    _need(mgr is not None and callable(getattr(mgr, "configure", None)),
+          "vllm.compilation.passes.pass_manager.PostGradPassManager.configure is missing")
+    _need(isinstance(base, type), "vllm.compilation.passes.inductor_pass.InductorPass is missing")
+    _need("self.passes" in inspect.getsource(mgr.__call__) and "self.passes" in inspect.getsource(mgr.uuid),
+          "PostGradPassManager no longer runs and hashes self.passes")
+    plan.append((mgr, "configure", _configure_with_pieces(mgr.configure, _piece_pass_class(base))))
+
+    for name in _SPECULATOR_MODULES:
+        m = mod(name)
+        _need(getattr(m, "torch", None) is torch, f"{name}.torch is not the torch module")
+        src = inspect.getsource(m)
+        _need("torch.cat(" in src and "aux_hidden_states" in src,
+              f"{name} no longer concatenates aux_hidden_states with torch.cat")
+        plan.append((m, "torch", _ViewCatTorch(torch)))
+
+    cg = mod("vllm.v1.worker.gpu.cudagraph_utils")
+    mcg = getattr(cg, "ModelCudaGraphManager", None)
+    _need(isinstance(mcg, type), "vllm.v1.worker.gpu.cudagraph_utils.ModelCudaGraphManager is missing")
+    _need("aux_hidden_states" not in vars(mcg), "ModelCudaGraphManager.aux_hidden_states is a class attribute")
+    _need("self.aux_hidden_states = [" in inspect.getsource(mcg.capture),
+          "ModelCudaGraphManager.capture no longer allocates self.aux_hidden_states as a list")
+    plan.append((mcg, "aux_hidden_states", _PackedAuxBuffers()))
+
+    itf = mod("vllm.model_executor.models.interfaces")
+    mixin = getattr(itf, "EagleModelMixin", None)
+    fn = getattr(mixin, "_maybe_add_hidden_state", None)
+    _need(callable(fn), "vllm.model_executor.models.interfaces.EagleModelMixin._maybe_add_hidden_state is missing")
+    _need(_params(fn) == ["self", "aux_hidden_states", "layer_idx", "hidden_states", "residual"],
+          f"EagleModelMixin._maybe_add_hidden_state{inspect.signature(fn)} differs")
+    plan.append((mixin, "_maybe_add_hidden_state", _eager_capture(fn)))
+
+    cfg = mod("vllm.config")
+    vcfg = getattr(cfg, "VllmConfig", None)
+    _need(callable(getattr(vcfg, "compute_hash", None)), "vllm.config.VllmConfig.compute_hash is missing")
+    plan.append((vcfg, "compute_hash", _hash_with_plugin(vcfg.compute_hash)))
+    return plan
+
+
+_MISSING = object()
+
+
+def install() -> bool:
+    """Patch vLLM (idempotent). False, with a warning naming what differs, on a mismatch."""
+    with _LOCK:
+        if _PATCHES:
+            return True
+        try:
+            plan = _plan()
+        except PluginMismatch as e:
+            msg = (f"compile_pass vLLM plugin not installed: {e}. vLLM runs as without the plugin.")
+            logger.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            return False
+        except Exception as e:  # noqa: BLE001  never a broken start
+            msg = (f"compile_pass vLLM plugin not installed: unexpected {type(e).__name__}: {e}. "
+                   "vLLM runs as without the plugin.")
+            logger.warning(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            return False
+        for owner, name, value in plan:
+            _PATCHES.append((owner, name, owner.__dict__.get(name, _MISSING)
+                             if isinstance(owner, type) else getattr(owner, name)))
+            setattr(owner, name, value)
+        logger.info("compile_pass vLLM plugin installed (%d patches)", len(plan))
+        return True
+
+
+def uninstall() -> None:
+    """Undo every patch (tests)."""
+    with _LOCK:
+        while _PATCHES:
+            owner, name, old = _PATCHES.pop()
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: install when ``COMPILE_PASS_VLLM=1``."""
+    if not enabled():
+        return
+    try:
+        install()
+    except Exception as e:  # noqa: BLE001
+        logger.warning("compile_pass vLLM plugin: %s: %s; vLLM runs as without it",
+                       type(e).__name__, e)

@@ -1,0 +1,174 @@
+"""Decoders built the way vLLM builds models, compiled by vLLM 0.33.0's own stack on the CPU
+(tests/test_vllm.py, benchmarks/vllm_capture.py). Not imported by the plugin.
+
+``build(style, backend, ...)`` returns a ``@support_torch_compile`` decoder made under a
+``VllmConfig(CompilationConfig(mode=VLLM_COMPILE, splitting_ops=[attention op],
+cudagraph_mode=NONE))`` on ``DeviceConfig("cpu")`` and a ``run(x)`` that calls it under
+vLLM's forward context. ``style``: ``"sum"`` captures ``hidden + residual`` at a layer's
+input (vLLM's ``EagleModelMixin._maybe_add_hidden_state``) before an in-place fused
+add-RMSNorm; ``"clone"`` captures ``residual.clone()`` right after it (SGLang's
+communicator models: the shape where stock Inductor hands back the mutated residual).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ATTENTION_OP = "cp_vllm_test::attention"
+
+# the torch.ops._C names vLLM's fix_functionalization compares nodes with (vllm._C is the
+# CUDA extension, not loadable on this CPU): schema-only stubs, never called
+_C_STUB_NAMES = ("rotary_embedding", "fused_add_rms_norm", "fused_add_rms_norm_static_fp8_quant",
+                 "rms_norm_dynamic_per_token_quant", "rms_norm", "rms_norm_static_fp8_quant",
+                 "silu_and_mul", "silu_and_mul_quant", "silu_and_mul_nvfp4_quant",
+                 "fused_qk_norm_rope")
+_stub_lib = None
+
+
+def stub_vllm_c_ops() -> List[str]:
+    """Define the missing ``torch.ops._C.*`` names (schema only); returns those defined."""
+    global _stub_lib
+    missing = []
+    for name in _C_STUB_NAMES:
+        try:
+            getattr(torch.ops._C, name)
+        except (AttributeError, RuntimeError):
+            missing.append(name)
+    if missing:
+        if _stub_lib is None:
+            _stub_lib = torch.library.Library("_C", "FRAGMENT")
+        for name in missing:
+            _stub_lib.define(f"{name}(Tensor(a!) x) -> ()")
+    return missing
+
+
+@torch.library.custom_op("cp_vllm_test::fused_add_rmsnorm_", mutates_args=("hidden", "residual"))
+def fused_add_rmsnorm_(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    residual.add_(hidden)
+    variance = residual.pow(2).mean(-1, keepdim=True)
+    hidden.copy_(residual * torch.rsqrt(variance + 1e-6) * weight)
+
+
+@fused_add_rmsnorm_.register_fake
+def _(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("cp_vllm_test::attention", mutates_args=())
+def attention(qkv: torch.Tensor) -> torch.Tensor:
+    q, k, v = qkv.chunk(3, dim=-1)
+    out = torch.empty_like(q)
+    # causal attention in blocks of rows: the op's own workspace stays small
+    block = 256
+    scale = q.shape[-1] ** -0.5
+    for s in range(0, q.shape[0], block):
+        e = min(s + block, q.shape[0])
+        scores = (q[s:e] @ k[:e].transpose(0, 1)) * scale
+        mask = torch.ones(e - s, e, dtype=torch.bool, device=q.device).tril(s)
+        out[s:e] = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[:e]
+    return out
+
+
+@attention.register_fake
+def _(qkv: torch.Tensor) -> torch.Tensor:
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1] // 3)
+
+
+class _Layer(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, attn_width: int) -> None:
+        super().__init__()
+        self.norm1 = nn.Parameter(1.0 + 0.1 * torch.randn(hidden))
+        self.qkv = nn.Linear(hidden, 3 * attn_width, bias=False)
+        self.o = nn.Linear(attn_width, hidden, bias=False)
+        self.norm2 = nn.Parameter(1.0 + 0.1 * torch.randn(hidden))
+        self.up = nn.Linear(hidden, intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+
+class VllmStyleDecoder(nn.Module):
+    """The decoder body; ``decorated()`` gives the ``@support_torch_compile`` class."""
+
+    def __init__(self, *, vllm_config: Any = None, prefix: str = "", num_layers: int = 8,
+                 hidden: int = 256, intermediate: int = 128, attn_width: int = 64, capture_at: Sequence[int] = (1, 3, 5, 6, 7),
+                 style: str = "sum", seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(_Layer(hidden, intermediate, attn_width) for _ in range(num_layers))
+        self.final_norm = nn.Parameter(torch.ones(hidden))
+        self.capture_at = tuple(capture_at)
+        self.style = style
+
+    def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        hidden = hidden_states.clone()
+        residual = torch.zeros_like(hidden)
+        aux: List[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if self.style == "sum" and i in self.capture_at:
+                aux.append(hidden + residual)
+            torch.ops.cp_vllm_test.fused_add_rmsnorm_(hidden, residual, layer.norm1)
+            if self.style == "clone" and i in self.capture_at:
+                aux.append(residual.clone())
+            hidden = layer.o(torch.ops.cp_vllm_test.attention(layer.qkv(hidden)))
+            torch.ops.cp_vllm_test.fused_add_rmsnorm_(hidden, residual, layer.norm2)
+            hidden = layer.down(F.silu(layer.up(hidden)))
+        torch.ops.cp_vllm_test.fused_add_rmsnorm_(hidden, residual, self.final_norm)
+        return hidden, aux
+
+
+_DECORATED = {}
+
+
+def decorated(cls: type = VllmStyleDecoder) -> type:
+    """``cls`` under vLLM's ``@support_torch_compile`` (one class per ``cls``)."""
+    if cls not in _DECORATED:
+        from vllm.compilation.decorators import support_torch_compile
+
+        sub = type(f"Compiled{cls.__name__}", (cls,), {"__module__": __name__})
+        _DECORATED[cls] = support_torch_compile(dynamic_arg_dims={"hidden_states": 0})(sub)
+    return _DECORATED[cls]
+
+
+def vllm_config(backend: str, splitting_ops: Sequence[str] = (ATTENTION_OP,), mode: str = "VLLM_COMPILE"):
+    from vllm.config import (CompilationConfig, CompilationMode, CUDAGraphMode, DeviceConfig,
+                             VllmConfig)
+
+    cc = CompilationConfig(mode=getattr(CompilationMode, mode), backend=backend,
+                           splitting_ops=list(splitting_ops), cudagraph_mode=CUDAGraphMode.NONE,
+                           compile_sizes=[])
+    config = VllmConfig(compilation_config=cc, device_config=DeviceConfig("cpu"))
+    # the CUDA fusion passes off (their classes are not imported on this platform)
+    pc = config.compilation_config.pass_config
+    for flag in [f for f in dir(pc) if f.startswith(("fuse_", "enable_"))]:
+        if isinstance(getattr(pc, flag, None), bool) and getattr(pc, flag):
+            setattr(pc, flag, False)
+    return config
+
+
+def build(backend: str = "eager", cls: type = VllmStyleDecoder, **model_kwargs: Any
+          ) -> Tuple[nn.Module, Callable[[torch.Tensor], Any], Any]:
+    """(model, run, config): the decorated model built under its config, ``run(x)`` calling it
+    in vLLM's forward context. ``backend="none"`` builds the same weights uncompiled."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+    if backend == "inductor":
+        stub_vllm_c_ops()
+    if backend == "none":
+        model = cls(**model_kwargs).eval()
+        return model, model, None
+    config = vllm_config(backend)
+    with set_current_vllm_config(config):
+        model = decorated(cls)(vllm_config=config, prefix="", **model_kwargs).eval()
+
+    def run(x: torch.Tensor) -> Any:
+        with set_current_vllm_config(config), set_forward_context(None, vllm_config=config), \
+                torch.no_grad():
+            return model(x)
+
+    return model, run, config
