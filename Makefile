@@ -60,8 +60,25 @@ compat:
 
 # ---- engine tiers: the integrations tested against the real packages (venvs in COMPAT_DIR)
 # vllm: BEGIN (owned by the vLLM integration; tests/test_vllm*.py)
+# vllm==0.33.0 (pins torch 2.14.0, its CUDA wheel; about 9.5 GB, 5.5 min to install here)
+# in $(COMPAT_DIR)/venv-vllm0.33.0, made once; then the checkout --no-deps -e and the tests
+VLLM_VERSION ?= 0.33.0
+VLLM_VENV    ?= $(COMPAT_DIR)/venv-vllm$(VLLM_VERSION)
 vllm:
-	@echo "make vllm: not written yet"
+	@set -e; venv="$(VLLM_VENV)"; \
+	if [ ! -f "$$venv/.installed" ]; then \
+	  if [ -x "$$venv/bin/python" ] && "$$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm') != '$(VLLM_VERSION)')" 2>/dev/null \
+	     && "$$venv/bin/python" -c "import pytest, hypothesis" 2>/dev/null; then :; else \
+	    echo "== creating $$venv (vllm $(VLLM_VERSION): about 9.5 GB)"; \
+	    $(PY) -m venv "$$venv"; \
+	    "$$venv/bin/pip" install -q "vllm==$(VLLM_VERSION)" "pytest>=7" "hypothesis>=6"; \
+	  fi; \
+	  touch "$$venv/.installed"; \
+	fi; \
+	"$$venv/bin/pip" install -q --no-deps -e . >/dev/null; \
+	echo "== vllm $(VLLM_VERSION): tests/test_vllm*.py"; \
+	TORCHINDUCTOR_FX_GRAPH_CACHE=0 VLLM_DISABLE_COMPILE_CACHE=1 \
+	  "$$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm*.py
 # vllm: END
 
 # sglang: BEGIN (owned by the SGLang / SpecForge integration; tests/test_sglang*.py)
