@@ -120,6 +120,26 @@ class VllmStyleDecoder(nn.Module):
         return hidden, aux
 
 
+class EngineRank(nn.Module):
+    """``models.engine.EngineDecoder`` (one tensor-parallel rank of a served model, engine-shaped:
+    fused in-place add-RMSNorm, opaque attention, in-place all-reduce) as vLLM builds a model;
+    ``capture_mode="list_out"`` returns the captures as a list, as vLLM's models do."""
+
+    SPLITTING_OPS = ("engine::attention",)
+    DYNAMIC = {"input_ids": 0, "positions": 0}
+
+    def __init__(self, *, vllm_config: Any = None, prefix: str = "", cfg: Any = None,
+                 capture_mode: str = "list_out", dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        from models.engine import EngineDecoder
+
+        self.inner = EngineDecoder(cfg, capture_mode, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+        hidden, aux = self.inner(input_ids, positions)
+        return hidden, (aux if aux is not None else [])
+
+
 _DECORATED = {}
 
 
@@ -129,7 +149,8 @@ def decorated(cls: type = VllmStyleDecoder) -> type:
         from vllm.compilation.decorators import support_torch_compile
 
         sub = type(f"Compiled{cls.__name__}", (cls,), {"__module__": __name__})
-        _DECORATED[cls] = support_torch_compile(dynamic_arg_dims={"hidden_states": 0})(sub)
+        dims = getattr(cls, "DYNAMIC", {"hidden_states": 0})
+        _DECORATED[cls] = support_torch_compile(dynamic_arg_dims=dims)(sub)
     return _DECORATED[cls]
 
 
@@ -162,13 +183,13 @@ def build(backend: str = "eager", cls: type = VllmStyleDecoder, **model_kwargs: 
     if backend == "none":
         model = cls(**model_kwargs).eval()
         return model, model, None
-    config = vllm_config(backend)
+    config = vllm_config(backend, getattr(cls, "SPLITTING_OPS", (ATTENTION_OP,)))
     with set_current_vllm_config(config):
         model = decorated(cls)(vllm_config=config, prefix="", **model_kwargs).eval()
 
-    def run(x: torch.Tensor) -> Any:
+    def run(*x: torch.Tensor) -> Any:
         with set_current_vllm_config(config), set_forward_context(None, vllm_config=config), \
                 torch.no_grad():
-            return model(x)
+            return model(*x)
 
     return model, run, config

@@ -1,0 +1,118 @@
+"""Plugin off vs on inside vLLM 0.33.0's own compile stack (CPU), one process, side by side.
+
+    ~/.cache/compile_pass/venv-vllm0.33.0/bin/python benchmarks/vllm_capture.py \\
+        --out docs/results/vllm_capture_cpu.json
+
+Rows: the vLLM-style decoder (``compile_pass/integrations/vllm_harness.py``: 8 layers, K=5
+returned captures, H=256, fp32, 2048 tokens; ``sum`` captures ``hidden + residual``,
+``clone`` captures ``residual.clone()`` after an in-place fused norm) and one Llama 3.1 70B
+TP=8 rank (``models/engine.py``, ``--engine-layers`` layers, K=3, bf16), each compiled by
+vLLM's VllmBackend with eager and Inductor pieces. The speculator's own ``torch.cat``
+statement packs (``spec_decode/target_dependent_ar/speculator.py``'s ``torch``).
+overhead = (peak - peak of the same build without captures) / packed bytes; "bitwise": the
+model's output equals the uncompiled model's, and the packed captures the uncompiled list
+path's concat.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from compile_pass import measure_peak  # noqa: E402
+from compile_pass.integrations import vllm as plugin  # noqa: E402
+from compile_pass.integrations import vllm_harness as H  # noqa: E402
+
+
+def _cat(aux):
+    import vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator as spec
+
+    return spec.torch.cat(aux, dim=-1)
+
+
+def measure(name, backend, make, inputs, warm):
+    """make(captures: bool) -> (cls, kwargs); returns one row per plugin setting."""
+    ref_cls, ref_kwargs = make(True)
+    torch.manual_seed(0)
+    ref = ref_cls(**ref_kwargs).eval()
+    with torch.no_grad():
+        rh, raux = ref(*inputs)
+    rp = torch.cat(raux, -1)
+    rows = []
+    for on in (False, True):
+        if on:
+            assert plugin.install()
+        else:
+            plugin.uninstall()
+        peaks, outs = {}, {}
+        t = time.time()
+        for caps in (False, True):
+            cls, kwargs = make(caps)
+            model, run, _ = H.build(backend, cls=cls, **kwargs)
+            model.load_state_dict(ref.state_dict(), strict=False)
+            run(*warm)
+
+            def full(*x):
+                h, aux = run(*x)
+                return h, (_cat(aux) if aux else None)
+
+            p = measure_peak(full, *inputs)
+            peaks[caps], outs[caps] = p.bytes, p.result
+        h, packed = outs[True]
+        nbytes = rp.numel() * rp.element_size()
+        rows.append({
+            "model": name, "pieces": backend, "plugin": on,
+            "peak_mib": round(peaks[True] / 2**20, 2), "peak_no_capture_mib": round(peaks[False] / 2**20, 2),
+            "packed_mib": round(nbytes / 2**20, 2),
+            "overhead": round((peaks[True] - peaks[False]) / nbytes, 3),
+            "model_bitwise": bool(torch.equal(h, rh)), "captures_bitwise": bool(torch.equal(packed, rp)),
+            "captures_max_abs_diff": float((packed.float() - rp.float()).abs().max()),
+            "seconds": round(time.time() - t, 1),
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backends", default="eager,inductor")
+    ap.add_argument("--styles", default="sum,clone")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--engine-layers", type=int, default=4)
+    ap.add_argument("--engine-tokens", type=int, default=1024)
+    ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rows = []
+    x = torch.randn(args.tokens, 256)
+    for backend in args.backends.split(","):
+        for style in args.styles.split(","):
+            def make(caps, style=style):
+                return H.VllmStyleDecoder, {"style": style, "capture_at": (1, 3, 5, 6, 7) if caps else ()}
+            rows += measure(f"vllm_style_{style}", backend, make, (x,), (torch.randn(64, 256),))
+        if not args.no_engine:
+            from models import engine
+
+            cfg = engine.llama_3_1_70b(tp=8, num_layers=args.engine_layers)
+            ids, pos = engine.example_inputs(cfg, args.engine_tokens)
+            wids, wpos = engine.example_inputs(cfg, 64)
+
+            def make_engine(caps, cfg=cfg):
+                return H.EngineRank, {"cfg": cfg, "capture_mode": "list_out" if caps else "none"}
+            rows += measure(f"llama_3_1_70b_tp8_{args.engine_layers}l", backend, make_engine,
+                            (ids, pos), (wids, wpos))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"torch": torch.__version__, "vllm": __import__("vllm").__version__,
+                       "tokens": args.tokens, "engine_tokens": args.engine_tokens, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
