@@ -19,7 +19,10 @@ compares outputs, and any inputs the module mutates, bitwise with:
   with ``emulate_precision_casts=True`` (``INDUCTOR_OPTIONS``): by default Inductor keeps
   fused fp16/bf16 intermediates in fp32, and the rewrite, which materializes captures for
   ``write_slice_``, changes fusion and so the last bits of low-precision outputs
-  (``run_case(..., inductor_options={})`` shows it).
+  (``run_case(..., inductor_options={})`` shows it). Every Inductor case is also compared
+  with the uncompiled module, within ``UNCOMPILED_TOLERANCE`` (Inductor's rounding), at
+  every token count it runs: a bug the list build and the pass share (a capture returned
+  as the residual a later piece overwrites) cannot pass as "equal to the reference".
 
 Besides bitwise equality a case records what the pass reported: exceptions it contained
 (``pass_errors``) and reports that contradict the spec (``anomalies``: e.g. a concat dim read
@@ -51,6 +54,16 @@ field; ``CaseSpec.with_knobs`` forces them):
 - ``split``: the module calls the functional ``cp_fuzz::barrier`` (``h.clone()``) after
   every layer and is compiled with ``split_ops=["cp_fuzz::barrier"]``: captures and the
   concat land in different pieces. A split that misses a barrier is an anomaly.
+
+Two more, drawn after those:
+
+- ``communicator`` (0.2): SGLang's fused-norm style: the residual is updated by the fused
+  in-place op and clone/pointwise captures become ``residual.clone()``, taken right after
+  their layer's fused op and overwritten by the next one; such cases are split (``split``) with chance 0.625,
+  so the captured residual crosses pieces (``distinct_outputs.py``).
+- ``dynamic_tokens`` (0.3, where the token count is free: the concat not along the token
+  dim, no buffer captures): the token dim is marked dynamic, and the one compile also runs
+  at two more counts, each compared as the first (recompiles are counted, not failed).
 
 Both compiles of a case (with and without the pass) use the same backend options. An
 ``inductor`` mismatch also compares both compiles with eager, to tell a wrong reference
@@ -141,6 +154,10 @@ _NO_PACKED_KNOBS = dict(mutate_packed=False, extra_cat=None, extra_late=False, e
 #: tensor is on: ~0.77 of cases, so ~0.25 in all) and ``split``
 RETURN_LIST_DRAW = 1 / 3
 SPLIT_DRAW = 0.25
+#: the chance of a communicator-style case (then split with chance 0.625) and of a compile
+#: over a dynamic token count run at 2 more counts (kept where ``tokens_free``)
+COMMUNICATOR_DRAW = 0.2
+DYNAMIC_DRAW = 0.3
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -248,6 +265,12 @@ class CaseSpec:
     extra_packed_view: bool = False  # the second concat also takes a slice of the first's result
     return_list: bool = False  # return (h, *aux) (no concat) and compile with pack_outputs=True
     split: bool = False  # cp_fuzz::barrier after every layer; compile with split_ops at it
+    #: communicator style (SGLang's fused-norm models): the residual is updated by the fused
+    #: in-place op and clone/pointwise captures become ``residual.clone()`` (taken after the
+    #: previous layer's fused op, overwritten by the next): the hazard of distinct_outputs.py
+    communicator: bool = False
+    #: extra token counts the same compile also runs (token dim marked dynamic); () = static
+    dynamic_tokens: Tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.return_list and (self.mutate_packed or self.extra_cat is not None):
@@ -256,16 +279,36 @@ class CaseSpec:
                 f"knobs of the packed tensor must be off (mutate_packed={self.mutate_packed}, "
                 f"extra_cat={self.extra_cat}); use spec.with_knobs(return_list=True)")
 
-    def with_knobs(self, return_list: Optional[bool] = None, split: Optional[bool] = None) -> "CaseSpec":
-        """This case with ``return_list`` / ``split`` forced (None: kept); forcing
-        ``return_list`` on also turns off the knobs of the packed tensor it no longer has."""
+    def with_knobs(self, return_list: Optional[bool] = None, split: Optional[bool] = None,
+                   communicator: Optional[bool] = None,
+                   dynamic_tokens: Optional[Tuple[int, ...]] = None) -> "CaseSpec":
+        """This case with ``return_list`` / ``split`` / ``communicator`` / ``dynamic_tokens``
+        forced (None: kept); forcing ``return_list`` on also turns off the knobs of the
+        packed tensor it no longer has, ``communicator`` on makes the residual the fused op's
+        and the clone/pointwise captures residual clones, and ``dynamic_tokens`` is dropped
+        where the token count is not free (``tokens_free``)."""
         spec = self
         if return_list is not None:
             spec = replace(spec, return_list=return_list,
                            **(_NO_PACKED_KNOBS if return_list else {}))
         if split is not None:
             spec = replace(spec, split=split)
+        if communicator is not None:
+            spec = _as_communicator(spec) if communicator else replace(spec, communicator=False)
+        if dynamic_tokens is not None:
+            spec = replace(spec, dynamic_tokens=tuple(dynamic_tokens) if spec.tokens_free else ())
         return spec
+
+    @property
+    def token_dim(self) -> int:
+        return 0 if self.leading == "2d" else 1
+
+    @property
+    def tokens_free(self) -> bool:
+        """The module runs at any token count: the concat is not along the token dim and no
+        capture is a module buffer (its shape holds the token count)."""
+        return self.dim != self.token_dim and not any(
+            c.kind == "graph_input" and c.variant == "buffer" for c in self.captures)
 
     @property
     def backend_options(self) -> Dict[str, Any]:
@@ -332,7 +375,23 @@ class CaseSpec:
             parts.append("return_list")
         if self.split:
             parts.append("split")
+        if self.communicator:
+            parts.append("communicator")
+        if self.dynamic_tokens:
+            parts.append(f"dynamic_tokens={list(self.dynamic_tokens)}")
         return " ".join(parts)
+
+
+def _as_communicator(spec: CaseSpec) -> CaseSpec:
+    """``spec`` in communicator style (``CaseSpec.communicator``)."""
+    captures = tuple(replace(c, kind="clone", variant="residual") if c.kind in ("clone", "pointwise")
+                     else c for c in spec.captures)
+    return replace(spec, communicator=True, residual="fused_op", captures=captures)
+
+
+def _after_fused_op(spec: CaseSpec, c: CaptureSpec) -> bool:
+    """A communicator capture: the residual cloned right after its layer's fused op."""
+    return spec.communicator and spec.residual == "fused_op" and c.variant == "residual"
 
 
 def _is_forward_input(c: CaptureSpec) -> bool:
@@ -416,7 +475,18 @@ def random_spec(seed: int) -> CaseSpec:
     return_list = rng.random() < RETURN_LIST_DRAW
     split = rng.random() < SPLIT_DRAW
     return_list = return_list and not fields["mutate_packed"] and fields["extra_cat"] is None
-    return CaseSpec(**fields, return_list=return_list, split=split)
+    # drawn after every older field (older seeds keep them)
+    communicator = rng.random() < COMMUNICATOR_DRAW
+    if communicator and not split:
+        split = rng.random() < 0.5  # the hazard needs the residual to cross pieces
+    dynamic = rng.random() < DYNAMIC_DRAW
+    extra_counts = tuple(sorted({max(2, tokens + rng.randint(-3, 9)), tokens * 2} - {tokens}))
+    spec = CaseSpec(**fields, return_list=return_list, split=split)
+    if communicator:
+        spec = _as_communicator(spec)
+    if dynamic and spec.tokens_free:
+        spec = replace(spec, dynamic_tokens=extra_counts)
+    return spec
 
 
 # --------------------------------------------------------------------------- the module
@@ -511,6 +581,8 @@ class FuzzDecoder(nn.Module):
                 return (take(h) * take(r)).clone()
             if variant == "of_view":  # clone of a (possibly non-contiguous) view
                 return h.narrow(d, h.shape[d] - c.width, c.width).clone()
+            if variant == "residual":  # communicator: the residual the next fused op overwrites
+                return take(r).clone()
         if kind == "graph_input":
             if variant == "buffer":
                 return getattr(self, f"const{i}")
@@ -599,7 +671,7 @@ class FuzzDecoder(nn.Module):
         h, r = x, x * 0.5
         for layer_index, layer in enumerate(self.layers):
             for i, c in enumerate(spec.captures):
-                if c.layer != layer_index:
+                if c.layer != layer_index or _after_fused_op(spec, c):
                     continue
                 cap = self._produce(i, h, r, inputs, state)
                 caps[i] = cap
@@ -613,6 +685,9 @@ class FuzzDecoder(nn.Module):
             state["r_bias"] = []
             if spec.residual == "fused_op":
                 self._op("add_norm_")(h, r)
+                for i, c in enumerate(spec.captures):  # communicator: the fused op's residual
+                    if c.layer == layer_index and _after_fused_op(spec, c):
+                        caps[i] = self._produce(i, h, r, inputs, state)
                 h = torch.tanh(layer(h))
             else:
                 if spec.residual == "inplace":
@@ -653,14 +728,24 @@ class FuzzDecoder(nn.Module):
 
 def build_case(spec: CaseSpec) -> Tuple[nn.Module, Tuple[torch.Tensor, ...]]:
     """The module of ``spec`` and its inputs (``x`` then one tensor per captured input)."""
-    module = FuzzDecoder(spec).eval()
+    return FuzzDecoder(spec).eval(), case_inputs(spec)
+
+
+def case_inputs(spec: CaseSpec, tokens: Optional[int] = None) -> Tuple[torch.Tensor, ...]:
+    """The inputs of ``spec``'s module at ``tokens`` tokens (default ``spec.tokens``; another
+    count needs ``spec.tokens_free``)."""
+    if tokens is not None and tokens != spec.tokens:
+        if not spec.tokens_free:
+            raise ValueError(f"seed {spec.seed}: the module's shapes hold the token count "
+                             f"({spec.tokens}); it cannot run at {tokens} tokens")
+        spec = replace(spec, tokens=tokens)
     g = torch.Generator().manual_seed(spec.seed + 1_000_003)
     dt = spec.torch_dtype
     inputs = [torch.randn(*spec.shape, generator=g).to(dt)]
     for i, c in enumerate(spec.captures):
         if _is_forward_input(c):
             inputs.append(torch.randn(*spec.capture_shape(i), generator=g).to(dt))
-    return module, tuple(inputs)
+    return tuple(inputs)
 
 
 # --------------------------------------------------------------------------- running a case
@@ -695,6 +780,10 @@ class CaseResult:
     #: inductor: the list build's captures differ from eager's and the pass's equal eager's
     #: (Inductor without the pass is wrong)
     reference_wrong: bool = False
+    #: dynamic cases: token counts run through the one compile, and backend calls after the
+    #: first run (a recompile: Dynamo specialized the count; not a failure of the pass)
+    token_counts: List[int] = field(default_factory=list)
+    recompiles: int = 0
     detail: str = ""  # what differed
     baseline: str = ""  # on failure: the same compile with rewrite=False ("ok" / what failed)
     seconds: float = 0.0
@@ -787,6 +876,19 @@ def _compiled_run(module: nn.Module, inputs: Sequence[torch.Tensor], inner: str,
     ``backend_options``: ``pack_outputs`` / ``split_ops`` (``CaseSpec.backend_options``).
     ``twins_only`` (inductor, ``rewrite=False``): Inductor merges capture twins
     (``CaptureTwinsPass``) but nothing is rewritten: the captures as the rewrite computes them."""
+    runs, backend, _ = _compiled_runs(module, [inputs], inner, rewrite, cost_model, inductor_options,
+                                      backend_options, twins_only)
+    return runs[0][0], runs[0][1], backend
+
+
+def _compiled_runs(module: nn.Module, input_sets: Sequence[Sequence[torch.Tensor]], inner: str,
+                   rewrite: bool, cost_model: bool, inductor_options: Optional[Dict[str, Any]] = None,
+                   backend_options: Optional[Dict[str, Any]] = None, twins_only: bool = False,
+                   token_dim: int = 0):
+    """One fresh compile run on each of ``input_sets``: ([(outputs, inputs after), ...],
+    backend, recompiles). With more than one set the first set's token dim (``token_dim`` of
+    every input) is marked dynamic, so one graph can serve every count; ``recompiles``
+    counts backend calls after the first run."""
     torch._dynamo.reset()
     options = dict(INDUCTOR_OPTIONS if inductor_options is None else inductor_options) \
         if inner == "inductor" else {}
@@ -797,19 +899,34 @@ def _compiled_run(module: nn.Module, inputs: Sequence[torch.Tensor], inner: str,
     backend = aux_capture_backend(inner, rewrite=rewrite, cost_model=cost_model,
                                   **(backend_options or {}), **options)
     _LAST_BACKEND[:] = [backend]
-    args = _clone_inputs(inputs)
-    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=False)
-    if inner == "inductor" and rewrite:
-        # caches would skip the post-grad pass (and its report) on a hit
-        import torch._functorch.config as functorch_config
-        import torch._inductor.config as inductor_config
+    calls = [0]
 
-        with inductor_config.patch(fx_graph_cache=False), \
-                functorch_config.patch(enable_autograd_cache=False):
+    def counting(gm: Any, example_inputs: Any) -> Any:
+        calls[0] += 1
+        return backend(gm, example_inputs)
+
+    compiled = torch.compile(module, backend=counting, fullgraph=True, dynamic=False)
+    runs = []
+    first_calls = 0
+    for n, inputs in enumerate(input_sets):
+        args = _clone_inputs(inputs)
+        if len(input_sets) > 1 and n == 0:
+            for t in args:
+                torch._dynamo.mark_dynamic(t, token_dim)
+        if inner == "inductor" and rewrite:
+            # caches would skip the post-grad pass (and its report) on a hit
+            import torch._functorch.config as functorch_config
+            import torch._inductor.config as inductor_config
+
+            with inductor_config.patch(fx_graph_cache=False), \
+                    functorch_config.patch(enable_autograd_cache=False):
+                out = compiled(*args)
+        else:
             out = compiled(*args)
-    else:
-        out = compiled(*args)
-    return tuple(out), args, backend
+        if n == 0:
+            first_calls = calls[0]
+        runs.append((tuple(out), args))
+    return runs, backend, calls[0] - first_calls
 
 
 def _error(e: BaseException) -> str:
@@ -912,6 +1029,33 @@ def _compare_inductor(result: CaseResult, module: nn.Module, inputs: Sequence[to
     return None
 
 
+#: ``atol = rtol`` of an Inductor case vs the uncompiled module, per dtype: Inductor's own
+#: rounding (fused or reassociated reductions, ``addmm`` vs ``mm`` + ``add``) stays well
+#: inside it over these few tanh layers; an aliasing bug (a capture holding a later residual)
+#: is off by O(1)
+UNCOMPILED_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def _close_to_uncompiled(out: Sequence[Any], args: Sequence[Any], eager_out: Sequence[Any],
+                         eager_args: Sequence[Any], dtype: torch.dtype, tokens: int) -> Optional[str]:
+    """None if outputs and mutated inputs are within ``UNCOMPILED_TOLERANCE`` of the
+    uncompiled module's, else what differs."""
+    tol = UNCOMPILED_TOLERANCE[dtype]
+    for what, got, ref in (("output", out, eager_out), ("input after run", args, eager_args)):
+        if len(got) != len(ref):
+            return f"{what}: {len(got)} values, the uncompiled module {len(ref)}"
+        for j, (a, b) in enumerate(zip(got, ref)):
+            if not isinstance(a, torch.Tensor):
+                continue
+            if a.shape != b.shape:
+                return f"{what}[{j}] at {tokens} tokens: shape {tuple(a.shape)}, uncompiled {tuple(b.shape)}"
+            if not torch.allclose(a.float(), b.float(), atol=tol, rtol=tol, equal_nan=True):
+                worst = (a.float() - b.float()).abs().max().item()
+                return (f"{what}[{j}] at {tokens} tokens vs the uncompiled module: max abs diff "
+                        f"{worst:.4g} (tolerance {tol:g})")
+    return None
+
+
 def run_case(spec: CaseSpec, inner: str, cost_model: bool = False,
              inductor_options: Optional[Dict[str, Any]] = None) -> CaseResult:
     """Compile ``spec``'s module with the pass (``inner``) and compare it bitwise with the
@@ -923,24 +1067,33 @@ def run_case(spec: CaseSpec, inner: str, cost_model: bool = False,
     ``INDUCTOR_OPTIONS``; pass ``{}`` for Inductor's defaults)."""
     start = time.perf_counter()
     module, inputs = build_case(spec)
+    input_sets = [inputs] + [case_inputs(spec, t) for t in spec.dynamic_tokens]
     result = CaseResult(spec, inner, equal=False, compile_error=None, rewritten=0, rejected=0,
-                        reasons=[])
+                        reasons=[], token_counts=[spec.tokens, *spec.dynamic_tokens])
+
+    def compiled_runs(rewrite: bool):
+        return _compiled_runs(module, input_sets, inner, rewrite, cost_model, inductor_options,
+                              spec.backend_options, token_dim=spec.token_dim)
+
     with torch.no_grad():
+        eager_runs = []
+        for one in input_sets:  # the uncompiled module: the oracle of every inner
+            eager_args = _clone_inputs(one)
+            eager_runs.append((tuple(module(*eager_args)), eager_args))
         if inner == "inductor":
             try:
-                ref_out, ref_args, _ = _compiled_run(module, inputs, inner, False, cost_model,
-                                                     inductor_options, spec.backend_options)
+                ref_runs, _, _ = compiled_runs(False)
             except Exception as e:  # noqa: BLE001
                 result.compile_error = f"reference (rewrite=False) failed: {_error(e)}"
                 result.baseline = "failed too (reference)"
                 result.seconds = time.perf_counter() - start
                 return result
         else:
-            ref_args = _clone_inputs(inputs)
-            ref_out = tuple(module(*ref_args))
+            ref_runs = eager_runs
+        ref_out, ref_args = ref_runs[0]
         try:
-            out, args, _ = _compiled_run(module, inputs, inner, True, cost_model, inductor_options,
-                                         spec.backend_options)
+            runs, _, result.recompiles = compiled_runs(True)
+            out, args = runs[0]
         except Exception as e:  # noqa: BLE001
             result.compile_error = _error(e)
             out = None
@@ -948,11 +1101,27 @@ def run_case(spec: CaseSpec, inner: str, cost_model: bool = False,
         if out is not None and inner == "inductor":
             diff = _compare_inductor(result, module, inputs, out, args, ref_out, ref_args,
                                      cost_model, inductor_options)
+            # every count: vs the uncompiled module within Inductor's rounding; the extra
+            # counts also bitwise vs the list build, unless the first count already showed
+            # the list build rounding (twins) or wrong (reference_wrong) there
+            exact = result.twin_rounding is None and not result.reference_wrong
+            for n, ((o, a), (eo, ea)) in enumerate(zip(runs, eager_runs)):
+                tokens = result.token_counts[n]
+                diff = diff or _close_to_uncompiled(o, a, eo, ea, spec.torch_dtype, tokens)
+                if n and exact and diff is None:
+                    diff = _compare(o[1:], a, ref_runs[n][0][1:], ref_runs[n][1],
+                                    tuple(i - 1 for i in _packed_outputs(spec)))
+                    diff = diff and f"at {tokens} tokens, vs the list build: {diff}"
             result.aliased = sorted(_aliasing(out) - _aliasing(ref_out))
             result.equal = diff is None
             result.detail = diff or ""
         elif out is not None:
-            diff = _compare(out, args, ref_out, ref_args, _packed_outputs(spec))
+            diff = None
+            for n, ((o, a), (ro, ra)) in enumerate(zip(runs, ref_runs)):
+                diff = _compare(o, a, ro, ra, _packed_outputs(spec))
+                if diff is not None:
+                    diff = f"at {result.token_counts[n]} tokens: {diff}" if n else diff
+                    break
             result.aliased = sorted(_aliasing(out) - _aliasing(ref_out))
             result.equal = diff is None
             result.detail = diff or ""
@@ -1014,13 +1183,14 @@ def fuzz(n: int, inners: Sequence[str], start_seed: int = 0, inductor_every: int
     reasons: Counter = Counter()
     strategies: Counter = Counter()
     kinds: Counter = Counter()
-    knobs: Counter = Counter({"return_list": 0, "split": 0})
+    knobs: Counter = Counter({"return_list": 0, "split": 0, "communicator": 0, "dynamic_tokens": 0})
     start = time.perf_counter()
     for case in range(n):
         seed = start_seed + case
         spec = random_spec(seed)
         kinds.update(spec.kinds)
-        knobs.update(name for name in ("return_list", "split") if getattr(spec, name))
+        knobs.update(name for name in ("return_list", "split", "communicator", "dynamic_tokens")
+                     if getattr(spec, name))
         run_inners = list(inners)
         if inductor_every > 0 and case % inductor_every == 0 and "inductor" not in run_inners:
             run_inners.append("inductor")
@@ -1030,13 +1200,16 @@ def fuzz(n: int, inners: Sequence[str], start_seed: int = 0, inductor_every: int
                                                      outputs_rewritten=0, outputs_rejected=0,
                                                      pass_errors=0, anomalies=0, twin_rounding=0,
                                                      twin_rounding_max=0.0, list_changes_model=0,
-                                                     model_as_list=0, reference_wrong=0))
+                                                     model_as_list=0, reference_wrong=0,
+                                                     token_counts_run=0, recompiles=0))
             try:
                 r = run_case(spec, inner, cost_model=cost_model)
             except Exception as e:  # noqa: BLE001 - a bug of the generator itself: report it
                 r = CaseResult(spec, inner, False, f"harness error: {_error(e)}", 0, 0, [],
                                detail=traceback.format_exc(limit=3))
             stats["runs"] += 1
+            stats["token_counts_run"] += len(r.token_counts)
+            stats["recompiles"] += r.recompiles
             stats["groups_rewritten"] += r.rewritten
             stats["groups_rejected"] += r.rejected
             stats["outputs_rewritten"] += r.outputs_rewritten
@@ -1093,7 +1266,8 @@ def format_summary(summary: Dict[str, Any]) -> str:
                      f"compile_failures={s['compile_failures']} rewritten={s['groups_rewritten']} "
                      f"rejected={s['groups_rejected']} pass_errors={s['pass_errors']} "
                      f"anomalies={s['anomalies']} (output groups: "
-                     f"rewritten={s['outputs_rewritten']} rejected={s['outputs_rejected']})")
+                     f"rewritten={s['outputs_rewritten']} rejected={s['outputs_rejected']}) "
+                     f"token counts run={s.get('token_counts_run', 0)} recompiles={s.get('recompiles', 0)}")
         if s.get("twin_rounding") or s.get("list_changes_model") or s.get("reference_wrong"):
             lines.append(f"  {'':10s} captures as the model computes them (twins merged) where "
                          f"the list build rounds differently: {s['twin_rounding']} cases, largest "
