@@ -8,7 +8,7 @@ each capture into its slice as it is appended, so nothing but the buffer outlive
 capture.
 
 The API is call-compatible with the packer of SGLang's ``aux_hidden_states`` module
-(``slot``, ``append``, ``extend``, ``capture``, ``len``, ``finalize``), so model code
+(``for_batch``, ``slot``, ``append``, ``extend``, ``capture``, ``len``, ``finalize``), so model code
 written against it runs unchanged; the extras (``out=`` prefix buffers, ``reset()``,
 shape/dtype/device checks) are documented on each method.
 """
@@ -75,7 +75,8 @@ class AuxHiddenStatePacker:
     ``out`` is an optional caller-owned buffer ``[max_tokens, *middle, K * feature]``
     (a CUDA-graph static buffer shared across batch sizes). Captures of ``tokens`` rows
     are written into ``out[:tokens]`` and ``finalize()`` returns that prefix view; the
-    packer never allocates when ``out`` is given.
+    packer never allocates when ``out`` is given. SGLang's exact ``[tokens, K * feature]``
+    buffer is the case ``max_tokens == tokens`` (``finalize()`` returns it whole).
     """
 
     #: ``append`` copies, so producers may mutate a tensor after capturing it.
@@ -97,6 +98,17 @@ class AuxHiddenStatePacker:
         self._dtype: Optional[torch.dtype] = None
         self._device: Optional[torch.device] = None
         self._idx = 0
+
+    @classmethod
+    def for_batch(cls, forward_batch, num_captures: int) -> "AuxHiddenStatePacker":
+        """A packer writing into ``forward_batch.aux_hidden_states_buffer`` when the batch
+        carries one (SGLang's decode graph runner hands every graph size a prefix of one
+        static buffer, ``[T, K * hidden]``), else allocating on the first capture.
+
+        Same call as SGLang 0.5.23's ``AuxHiddenStatePacker.for_batch``. A batch object
+        without that attribute is treated as carrying no buffer.
+        """
+        return cls(num_captures, out=getattr(forward_batch, "aux_hidden_states_buffer", None))
 
     @property
     def num_captures(self) -> int:

@@ -1,0 +1,239 @@
+"""The SGLang plugin and the packer against the installed sglang 0.5.23 (``make sglang``)."""
+
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import types
+import warnings
+
+import pytest
+
+sglang = pytest.importorskip("sglang")
+
+import torch  # noqa: E402
+
+from compile_pass.packer import AuxHiddenStatePacker, pack_aux_hidden_states  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+import sglang.srt.layers.aux_hidden_states as sg_aux  # noqa: E402
+
+SG_MODELS = pathlib.Path(sglang.__file__).parent / "srt" / "models"
+
+
+# ---- item 3: the packer against SGLang's packer and its call sites ----------------------
+
+def test_for_batch_signature_matches_sglangs():
+    ours = inspect.signature(AuxHiddenStatePacker.for_batch)
+    theirs = inspect.signature(sg_aux.AuxHiddenStatePacker.for_batch)
+    assert list(ours.parameters) == list(theirs.parameters)
+
+
+def test_forward_batch_has_the_buffer_field_for_batch_reads():
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    assert "aux_hidden_states_buffer" in {f.name for f in dataclasses.fields(ForwardBatch)}
+
+
+@pytest.mark.parametrize("with_buffer", [False, True])
+def test_for_batch_same_result_as_sglangs(with_buffer):
+    torch.manual_seed(0)
+    T, H, K = 5, 8, 3
+    caps = [torch.randn(T, H) for _ in range(K)]
+    results = []
+    for cls in (sg_aux.AuxHiddenStatePacker, AuxHiddenStatePacker):
+        buf = torch.full((T, K * H), float("nan")) if with_buffer else None
+        batch = types.SimpleNamespace(aux_hidden_states_buffer=buf)
+        p = cls.for_batch(batch, K)
+        for c in caps:
+            p.capture(c, owned=False)
+        out = p.finalize()
+        if with_buffer:  # SGLang's exact [T, K*H] buffer: written in place, returned whole
+            assert out.data_ptr() == buf.data_ptr() and out.shape == buf.shape
+        results.append(out)
+    assert torch.equal(results[0], results[1])
+    assert torch.equal(results[1], torch.cat(caps, -1))
+
+
+def test_out_accepts_sglangs_exact_and_our_prefix_buffer():
+    T, H, K = 4, 6, 2
+    caps = [torch.randn(T, H) for _ in range(K)]
+    for rows in (T, 3 * T):  # SGLang: exactly T rows; ours also max_T rows
+        buf = torch.zeros(rows, K * H)
+        p = AuxHiddenStatePacker(K, out=buf)
+        p.extend(caps)
+        out = p.finalize()
+        assert out.shape == (T, K * H) and out.data_ptr() == buf.data_ptr()
+        assert torch.equal(out, torch.cat(caps, -1))
+    with pytest.raises(ValueError):  # SGLang's packer rejects the prefix buffer
+        sg = sg_aux.AuxHiddenStatePacker(K, out=torch.zeros(3 * T, K * H))
+        sg.extend(caps)
+
+
+def _packer_calls():
+    """Every call of ``AuxHiddenStatePacker(...)`` / ``.for_batch(...)`` in SGLang's models."""
+    calls = []
+    for path in sorted(SG_MODELS.glob("*.py")):
+        src = path.read_text(errors="replace")
+        if "AuxHiddenStatePacker" not in src:
+            continue
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Name) and f.id == "AuxHiddenStatePacker":
+                calls.append((path.stem, "__init__", node))
+            elif (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+                  and f.value.id == "AuxHiddenStatePacker"):
+                calls.append((path.stem, f.attr, node))
+    return calls
+
+
+def test_sglang_call_sites_bind_to_our_packer():
+    calls = _packer_calls()
+    assert {m for m, _, _ in calls} >= {"deepseek_v2", "mimo_v2", "kimi_k3"}, calls
+    for model, method, node in calls:
+        fn = AuxHiddenStatePacker.__init__ if method == "__init__" else getattr(
+            AuxHiddenStatePacker, method)
+        sig = inspect.signature(fn)
+        args = [object()] * len(node.args)
+        kwargs = {k.arg: object() for k in node.keywords if k.arg}
+        if method == "__init__":
+            args = [object()] + args  # self
+        sig.bind(*args, **kwargs)  # raises TypeError naming the mismatch
+
+
+def test_sglang_packer_methods_all_present():
+    theirs = {n for n, v in vars(sg_aux.AuxHiddenStatePacker).items()
+              if not n.startswith("_") or n in ("__len__", "__init__")}
+    missing = {n for n in theirs if not hasattr(AuxHiddenStatePacker, n)}
+    assert not missing
+
+
+def test_our_pack_is_sglangs_plus_a_view():
+    caps = [torch.randn(3, 4) for _ in range(3)]
+    assert torch.equal(pack_aux_hidden_states(caps), sg_aux.pack_aux_hidden_states(caps))
+    buf = torch.randn(3, 12)
+    sl = [buf[:, i * 4:(i + 1) * 4] for i in range(3)]
+    v = pack_aux_hidden_states(sl)
+    assert v.data_ptr() == buf.data_ptr() and torch.equal(v, sg_aux.pack_aux_hidden_states(sl))
+
+
+# ---- item 1: the plugin through SGLang's own loader and registry -------------------------
+
+def _run(code_or_args, env_extra, script=True, timeout=300):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPILE_PASS_SGLANG",
+                                                                        "SGLANG_PLUGINS"))}
+    env.update(env_extra)
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable] + (code_or_args if script else ["-c", code_or_args])
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=ROOT)
+
+
+def test_entry_point_declared_and_visible():
+    from importlib.metadata import entry_points
+
+    eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "aux_capture"]
+    assert eps and eps[0].value == "compile_pass.integrations.sglang:register"
+
+
+CHECK_OFF = """
+import sglang.srt.layers.aux_hidden_states as a
+orig = a.AuxHiddenStateList, a.pack_aux_hidden_states
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from compile_pass.integrations import sglang as p
+print(int(a.AuxHiddenStateList is orig[0]), int(a.pack_aux_hidden_states is orig[1]), p.STATE['reason'])
+"""
+
+
+def test_plugin_inactive_unless_asked():
+    r = _run(CHECK_OFF, {}, script=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1].startswith("1 1 COMPILE_PASS_SGLANG is not set")
+
+
+def test_plugin_on_measured_and_bitwise():
+    r = _run([str(ROOT / "benchmarks" / "sglang_capture.py")],
+             {"COMPILE_PASS_SGLANG": "1", "SGLANG_PLUGINS": "aux_capture"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout[r.stdout.index("{"):])
+    assert all(res["checks"][k] for k in res["checks"] if k != "sglang"), res["checks"]
+    assert res["fallbacks"] == 0
+    for row in res["rows"]:
+        assert row["bitwise"] and row["model_output_equal"] and row["on_is_one_buffer"], row
+        assert row["overhead_off"] >= 1.3 and row["overhead_on"] <= 1.01, row
+
+
+def test_unexpected_layout_warns_and_leaves_sglang_alone(monkeypatch):
+    from compile_pass.integrations import sglang as p
+
+    class NotAList:
+        pass
+
+    monkeypatch.setattr(sg_aux, "AuxHiddenStateList", NotAList)
+    monkeypatch.setitem(p.STATE, "active", False)
+
+    class Registry:
+        registered = []
+
+        @classmethod
+        def register(cls, *a, **k):
+            cls.registered.append(a)
+
+        @classmethod
+        def apply_hooks(cls):
+            raise AssertionError("must not apply")
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert p.enable(registry=Registry) is False
+    assert any("AuxHiddenStateList" in str(x.message) for x in w)
+    assert Registry.registered == [] and sg_aux.AuxHiddenStateList is NotAList
+
+
+def test_list_falls_back_to_clone_when_capture_does_not_fit():
+    from compile_pass.integrations import sglang as p
+
+    cls = p._make_list_class(sg_aux.AuxHiddenStateList)
+    tok = p._num_captures.set(2)
+    try:
+        aux = cls()
+        a, b = torch.randn(4, 3), torch.randn(5, 3)  # second capture: other leading shape
+        aux.capture(a)
+        with pytest.warns(RuntimeWarning, match="does not fit"):
+            aux.capture(b)
+        assert torch.equal(aux[0], a) and torch.equal(aux[1], b) and aux[1] is not b
+        no_k = cls()
+        p._num_captures.set(None)
+        no_k.capture(a)  # K unknown: SGLang's own clone
+        assert no_k[0] is not a and torch.equal(no_k[0], a)
+    finally:
+        p._num_captures.reset(tok)
+
+
+def test_runner_hook_reads_k_from_layers_to_capture():
+    from compile_pass.integrations import sglang as p
+
+    inner = torch.nn.Module()
+    inner.layers_to_capture = [2, 5, 9, 11]
+    outer = torch.nn.Module()
+    outer.model = inner
+    seen = []
+    runner = types.SimpleNamespace(model=outer)
+    p._runner_forward(lambda self: seen.append(p._num_captures.get()), runner)
+    assert seen == [4] and p._num_captures.get() is None
+
+
+def test_covered_models_from_installed_source():
+    from compile_pass.integrations.sglang import covered_models
+
+    cov = covered_models()
+    assert "llama" in cov["AuxHiddenStateList"] and "qwen3" in cov["AuxHiddenStateList"]
+    assert "deepseek_v2" in cov["packer"]
+    assert len(cov["AuxHiddenStateList"]) >= 20
