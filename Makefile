@@ -82,8 +82,33 @@ vllm:
 # vllm: END
 
 # sglang: BEGIN (owned by the SGLang / SpecForge integration; tests/test_sglang*.py)
+# sglang==0.5.23 + specforge==0.2.0 --no-deps (their CUDA kernels do not install here) and only
+# what importing the used modules needs, in $(COMPAT_DIR)/venv-sglang0.5.23, made once. torch
+# 2.14.1 (SGLang's pin) is read from make compat's venv through a .pth where that exists (it
+# runs first in CI; nothing is installed into it), else installed into this venv.
+SGLANG_VERSION ?= 0.5.23
+SGLANG_VENV    ?= $(COMPAT_DIR)/venv-sglang$(SGLANG_VERSION)
+SGLANG_DEPS    ?= orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 pillow==13.0.0 \
+  starlette==1.10.0 msgspec==0.23.0 pydantic==2.14.4 pyzmq==27.3.0 tqdm==4.70.1 ipython==9.18.1 \
+  aiohttp==3.14.5 transformers==5.25.0 torchvision==0.29.1 dill==0.4.1 apache-tvm-ffi==0.1.15.post2 \
+  sentencepiece==0.2.3 compressed-tensors==0.20.1 gguf==0.19.0 openai==3.60.0 \
+  partial-json-parser==0.2.1.1.post7 uvicorn==0.55.0 fastapi==0.165.0 einops==0.8.2 "pytest>=7"
 sglang:
-	@echo "make sglang: not written yet"
+	@set -e; venv="$(SGLANG_VENV)"; torchvenv="$(COMPAT_DIR)/venv-torch2.14.1"; \
+	if [ ! -f "$$venv/.installed" ]; then \
+	  echo "== creating $$venv (sglang $(SGLANG_VERSION), specforge 0.2.0)"; \
+	  $(PY) -m venv "$$venv"; \
+	  sp=$$("$$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	  if [ -f "$$torchvenv/.installed" ]; then \
+	    "$$torchvenv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$$sp/_torch_from_compat.pth"; \
+	  else "$$venv/bin/pip" install -q "torch==2.14.1"; fi; \
+	  "$$venv/bin/pip" install -q --no-deps "sglang==$(SGLANG_VERSION)" "specforge==0.2.0"; \
+	  "$$venv/bin/pip" install -q $(SGLANG_DEPS); \
+	  touch "$$venv/.installed"; \
+	fi; \
+	"$$venv/bin/pip" install -q --no-deps -e . >/dev/null; \
+	echo "== sglang $(SGLANG_VERSION): tests/test_sglang*.py tests/test_specforge*.py"; \
+	"$$venv/bin/python" -m pytest -q -p no:cacheprovider $$(ls tests/test_sglang*.py tests/test_specforge*.py 2>/dev/null)
 # sglang: END
 
 bench: $(VENV)/.installed-test
