@@ -237,3 +237,11 @@ def test_covered_models_from_installed_source():
     assert "llama" in cov["AuxHiddenStateList"] and "qwen3" in cov["AuxHiddenStateList"]
     assert "deepseek_v2" in cov["packer"]
     assert len(cov["AuxHiddenStateList"]) >= 20
+
+
+def test_docs_covered_list_is_the_generated_one():
+    from compile_pass.integrations.sglang import covered_models_markdown
+
+    doc = (ROOT / "docs" / "sglang.md").read_text()
+    block = doc.split("<!-- covered: BEGIN -->\n")[1].split("\n<!-- covered: END -->")[0]
+    assert block == covered_models_markdown()

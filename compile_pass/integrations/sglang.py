@@ -271,3 +271,21 @@ def covered_models(models_dir: Optional[str] = None) -> dict:
         elif re.search(r"aux_hidden_states\s*=\s*\[\]", src) and "layers_to_capture" in src:
             out["plain list"].append(path.stem)
     return out
+
+
+def covered_models_markdown(models_dir: Optional[str] = None) -> str:
+    """The covered-models list of docs/sglang.md, generated from the installed SGLang."""
+    cov = covered_models(models_dir)
+    notes = {"AuxHiddenStateList": "packed in place by the plugin (eager)",
+             "packer": "already pack with SGLang's packer and return one tensor: nothing to do",
+             "plain list": "not reached eagerly (a `[]` in forward: no class to swap); the pass "
+                           "covers them only inside a compiled graph that holds the cat"}
+    lines = []
+    for style, models in cov.items():
+        lines.append(f"- **{style}** ({len(models)}; {notes[style]}): "
+                     + ", ".join(f"`{m}`" for m in models))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m compile_pass.integrations.sglang
+    print(covered_models_markdown())
