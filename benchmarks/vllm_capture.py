@@ -37,6 +37,9 @@ def _cat(aux):
     return spec.torch.cat(aux, dim=-1)
 
 
+NO_PIECE_PASSES = False
+
+
 def measure(name, backend, make, inputs, warm):
     """make(captures: bool) -> (cls, kwargs); returns one row per plugin setting."""
     ref_cls, ref_kwargs = make(True)
@@ -49,6 +52,11 @@ def measure(name, backend, make, inputs, warm):
     for on in (False, True):
         if on:
             assert plugin.install()
+            if NO_PIECE_PASSES:  # the rewrite and the view cat, vLLM's pass manager as is
+                import vllm.compilation.passes.pass_manager as pm
+
+                pm.PostGradPassManager.configure = next(
+                    old for owner, attr, old in plugin._PATCHES if attr == "configure")
         else:
             plugin.uninstall()
         peaks, outs = {}, {}
@@ -88,8 +96,12 @@ def main() -> None:
     ap.add_argument("--engine-layers", type=int, default=4)
     ap.add_argument("--engine-tokens", type=int, default=1024)
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--no-piece-passes", action="store_true",
+                    help="plugin on without its per-piece Inductor passes (diagnosis)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    global NO_PIECE_PASSES
+    NO_PIECE_PASSES = args.no_piece_passes
     rows = []
     x = torch.randn(args.tokens, 256)
     for backend in args.backends.split(","):

@@ -6,7 +6,8 @@
 cudagraph_mode=NONE))`` on ``DeviceConfig("cpu")`` and a ``run(x)`` that calls it under
 vLLM's forward context. ``style``: ``"sum"`` captures ``hidden + residual`` at a layer's
 input (vLLM's ``EagleModelMixin._maybe_add_hidden_state``) before an in-place fused
-add-RMSNorm; ``"clone"`` captures ``residual.clone()`` right after it (SGLang's
+add-RMSNorm; ``"native"`` the same capture before a norm computed in torch (vLLM's
+``RMSNorm.forward_native``: the piece computes the capture's sum a second time); ``"clone"`` captures ``residual.clone()`` right after it (SGLang's
 communicator models: the shape where stock Inductor hands back the mutated residual).
 """
 
@@ -107,17 +108,31 @@ class VllmStyleDecoder(nn.Module):
         hidden = hidden_states.clone()
         residual = torch.zeros_like(hidden)
         aux: List[torch.Tensor] = []
+        norm = self._native_norm if self.style == "native" else self._fused_norm
         for i, layer in enumerate(self.layers):
-            if self.style == "sum" and i in self.capture_at:
+            if self.style in ("sum", "native") and i in self.capture_at:
                 aux.append(hidden + residual)
-            torch.ops.cp_vllm_test.fused_add_rmsnorm_(hidden, residual, layer.norm1)
+            hidden, residual = norm(hidden, residual, layer.norm1)
             if self.style == "clone" and i in self.capture_at:
                 aux.append(residual.clone())
             hidden = layer.o(torch.ops.cp_vllm_test.attention(layer.qkv(hidden)))
-            torch.ops.cp_vllm_test.fused_add_rmsnorm_(hidden, residual, layer.norm2)
+            hidden, residual = norm(hidden, residual, layer.norm2)
             hidden = layer.down(F.silu(layer.up(hidden)))
-        torch.ops.cp_vllm_test.fused_add_rmsnorm_(hidden, residual, self.final_norm)
+        hidden, residual = norm(hidden, residual, self.final_norm)
         return hidden, aux
+
+    @staticmethod
+    def _fused_norm(hidden, residual, weight):
+        torch.ops.cp_vllm_test.fused_add_rmsnorm_(hidden, residual, weight)
+        return hidden, residual
+
+    @staticmethod
+    def _native_norm(hidden, residual, weight):
+        # vLLM's RMSNorm.forward_native with a residual (the CPU path): x + residual in torch,
+        # the same sum as the capture's, so a piece computes it twice
+        residual = hidden + residual
+        variance = residual.pow(2).mean(-1, keepdim=True)
+        return residual * torch.rsqrt(variance + 1e-6) * weight, residual
 
 
 class EngineRank(nn.Module):
