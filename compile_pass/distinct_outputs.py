@@ -1,6 +1,6 @@
 """Keep a compiled graph's outputs distinct from the inputs that a mutating op writes.
 
-Stock Inductor (seen on torch 2.11, 2.13 and 2.14) can hand back a graph *input* where the
+Stock Inductor (seen on torch 2.11.0, 2.13.0, 2.14.0 and 2.14.1) can hand back a graph *input* where the
 program returned a copy of it. For::
 
     torch.ops.ns.fused_add_norm_(h, residual, w)   # a custom op mutating residual
