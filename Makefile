@@ -36,13 +36,13 @@ COMPAT_TORCH ?= 2.14.1 2.11.0
 COMPAT_DIR   ?= $(HOME)/.cache/compile_pass
 COMPAT_TESTS ?= tests/test_packer.py tests/test_backend.py tests/test_memory.py \
                 tests/test_piecewise.py tests/test_explain.py tests/test_twins_and_lift.py \
-                tests/test_inductor.py
+                tests/test_inductor.py tests/test_distinct_outputs.py
 COMPAT_MARKS ?= not inductor or compat
 # left out for time: the same checks on bigger graphs (DeepSeek-shaped fixtures, one split
 # run), the diff tool's CLI (its report stays) and the aot_eager twins of eager piecewise tests
 COMPAT_SKIP  ?= not node_table_agrees and not changed_span_bounds and not split_piecewise_peak \
                 and not cli_diff and not split_aot_eager and not (split_ops_pieces_equal and aot_eager) \
-                and not (pack_outputs_returns_adjacent and aot_eager)
+                and not (pack_outputs_returns_adjacent and aot_eager) and not serves_every_token_count
 compat:
 	@set -e; for v in $(COMPAT_TORCH); do \
 	  venv="$(COMPAT_DIR)/venv-torch$$v"; \
