@@ -1,0 +1,112 @@
+"""SGLang 0.5.23's real ModelRunner extend on the CPU: LlamaForCausalLM (tiny random config,
+dummy weights), plugin off vs on, in one process (also the recipe SpecForge's offline capture
+backend follows: ScheduleBatch -> ForwardBatch -> ModelRunner.forward, FULL capture).
+
+Needs: SGLANG_USE_CPU_ENGINE=1 (set here) and an import-only stand-in for the ``sgl_kernel``
+package (its CPU build is not on PyPI): a module whose names are placeholders raising
+NotImplementedError when called, created below; the Llama path on the CPU calls none of them.
+
+    K=12 python benchmarks/sglang_model_runner.py [out.json]     # env: K, NREQ, LEN, LAYERS
+"""
+import os, sys, types, tempfile, importlib.abc, importlib.machinery
+os.environ["SGLANG_USE_CPU_ENGINE"]="1"
+class _Missing:
+    def __init__(self, name): self._n = name
+    def __getattr__(self, n):
+        if n.startswith("__"): raise AttributeError(n)
+        return _Missing(f"{self._n}.{n}")
+    def __call__(self, *a, **k): raise NotImplementedError(f"sgl_kernel stand-in: {self._n}")
+class _Stub(types.ModuleType):
+    def __getattr__(self, n):
+        if n.startswith("__"): raise AttributeError(n)
+        return _Missing(f"{self.__name__}.{n}")
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name == "sgl_kernel" or name.startswith("sgl_kernel."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+    def create_module(self, spec): m=_Stub(spec.name); m.__path__=[]; return m
+    def exec_module(self, m): pass
+sys.meta_path.insert(0, _Finder())
+import torch
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.model_executor.model_runner import ModelRunner
+_cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 256, "num_hidden_layers": int(os.environ.get("LAYERS", 16)),
+        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1000,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+_dir = tempfile.mkdtemp(prefix="sglang_tiny_llama_")
+import json as _json
+with open(os.path.join(_dir, "config.json"), "w") as _f:
+    _json.dump(_cfg, _f)
+sa = ServerArgs(model_path=_dir, skip_tokenizer_init=True, load_format="dummy", device="cpu", dtype="float32",
+    disable_cuda_graph=True, chunked_prefill_size=-1, max_total_tokens=8192, mem_fraction_static=0.5, enable_return_hidden_states=True)
+print("server args ok")
+from sglang.srt.runtime_context import publish, SpawnRanks
+publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+from sglang.srt.distributed.bootstrap import init_parallel_runtime
+init_parallel_runtime(server_args=sa, device="cpu", dist_port=29556)
+mc = ModelConfig.from_server_args(sa)
+mr = ModelRunner(model_config=mc, mem_fraction_static=sa.mem_fraction_static, gpu_id=0, nccl_port=29555, server_args=sa)
+print("runner ok", type(mr.model))
+mr.alloc_memory_pool()
+mr.init_attention_backends()
+mr.init_cuda_graphs()
+from array import array
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from compile_pass.memory import measure_peak
+import json
+NREQ, L = int(os.environ.get("NREQ", 4)), int(os.environ.get("LEN", 512))
+torch.manual_seed(0)
+ids = torch.randint(3, 1000, (NREQ, L))
+def make_fb():
+    mr.req_to_token_pool.clear(); mr.token_to_kv_pool_allocator.clear()
+    sp = SamplingParams(temperature=0, max_new_tokens=1, top_k=1)
+    cp = CacheInitParams(disable=False, req_to_token_pool=mr.req_to_token_pool,
+        token_to_kv_pool_allocator=mr.token_to_kv_pool_allocator, page_size=getattr(mr, "page_size", None) or 1)
+    tc = RadixCache(cp)
+    reqs = []
+    for i in range(NREQ):
+        r = Req(rid=str(i), origin_input_text="", origin_input_ids=array("q", ids[i].tolist()), sampling_params=sp)
+        r.init_next_round_input(tc)
+        r.extend_end = r.prefix_len + len(r.origin_input_ids) - r.prefix_len
+        reqs.append(r)
+    b = ScheduleBatch.init_new(reqs=reqs, req_to_token_pool=mr.req_to_token_pool,
+        token_to_kv_pool_allocator=mr.token_to_kv_pool_allocator, tree_cache=tc,
+        model_config=mr.model_config, enable_overlap=False, spec_algorithm=SpeculativeAlgorithm.NONE)
+    b.prepare_for_extend()
+    if getattr(b, "prefill_input_ids_cpu", None) is not None:
+        b.input_ids = b.prefill_input_ids_cpu.to(b.device); b.prefill_input_ids_cpu = None
+    b.capture_hidden_mode = CaptureHiddenMode.FULL
+    fb = ForwardBatch.init_new(b, mr, return_hidden_states_before_norm=False)
+    fb.capture_hidden_mode = CaptureHiddenMode.FULL
+    return fb
+def run():
+    fb = make_fb()
+    with torch.no_grad():
+        p = measure_peak(mr.forward, fb)
+    out = p.result.logits_output if hasattr(p.result, "logits_output") else p.result
+    return p.bytes, out
+K = int(os.environ.get("K", 7)); nl = 10
+m = mr.model
+base, o0 = run()
+print("base ok", base)
+m.capture_aux_hidden_states = True
+m.model.layers_to_capture = list(range(1, 1 + K))
+off, o1 = run(); h_off = o1.hidden_states.clone()
+from compile_pass.integrations import sglang as plugin
+print("enable", plugin.enable())
+on, o2 = run(); h_on = o2.hidden_states
+packed = NREQ * L * 256 * K * 4
+res = ({"K": K, "layers": _cfg["num_hidden_layers"], "model": "sglang.srt.models.llama.LlamaForCausalLM", "tokens": NREQ * L, "overhead_off": round((off - base) / packed, 3),
+  "overhead_on": round((on - base) / packed, 3), "bitwise": bool(torch.equal(h_off, h_on)),
+  "logits_equal": bool(torch.equal(o1.next_token_logits, o2.next_token_logits)), "packed_views": plugin.STATE["packed"], "fallbacks": plugin.STATE["fallbacks"]})
+print(json.dumps(res))
+if len(sys.argv) > 1:
+    open(sys.argv[1], "w").write(json.dumps(res, indent=1) + "\n")
