@@ -245,3 +245,17 @@ def test_docs_covered_list_is_the_generated_one():
     doc = (ROOT / "docs" / "sglang.md").read_text()
     block = doc.split("<!-- covered: BEGIN -->\n")[1].split("\n<!-- covered: END -->")[0]
     assert block == covered_models_markdown()
+
+
+def test_runner_hook_sees_capture_layers_changed_after_first_forward():
+    from compile_pass.integrations import sglang as p
+
+    inner = torch.nn.Module()
+    inner.layers_to_capture = []
+    outer = torch.nn.Module()
+    outer.model = inner
+    runner, seen = types.SimpleNamespace(model=outer), []
+    p._runner_forward(lambda self: seen.append(p._num_captures.get()), runner)
+    inner.layers_to_capture = [1, 2, 3]  # set_eagle3_layers_to_capture after a forward
+    p._runner_forward(lambda self: seen.append(p._num_captures.get()), runner)
+    assert seen == [None, 3]

@@ -138,24 +138,26 @@ def pack_view(aux_hidden_states):
 
 
 def _find_k(model: Any) -> Optional[int]:
-    cached = getattr(model, "_compile_pass_k", None)
-    if cached is not None:
-        return cached or None
-    k = 0
-    if isinstance(model, torch.nn.Module):
+    """len(layers_to_capture) of the module holding it; the holder is cached, the length is
+    read each forward (set_eagle3/dflash_layers_to_capture may change it after the first)."""
+    holder = getattr(model, "_compile_pass_k_holder", None)
+    if holder is None and isinstance(model, torch.nn.Module):
         for mod in model.modules():
-            layers = mod.__dict__.get("layers_to_capture")
-            if layers is not None and not isinstance(layers, torch.Tensor):
-                try:
-                    k = len(layers)
-                except TypeError:
-                    k = 0
+            if "layers_to_capture" in mod.__dict__:
+                holder = mod
                 break
+        if holder is not None:
+            try:
+                object.__setattr__(model, "_compile_pass_k_holder", holder)
+            except Exception:
+                pass
+    layers = getattr(holder, "layers_to_capture", None) if holder is not None else None
+    if layers is None or isinstance(layers, torch.Tensor):
+        return None
     try:
-        object.__setattr__(model, "_compile_pass_k", k)
-    except Exception:
-        pass
-    return k or None
+        return len(layers) or None
+    except TypeError:
+        return None
 
 
 def _runner_forward(original_fn, self, *args, **kwargs):
