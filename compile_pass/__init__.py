@@ -33,6 +33,8 @@ _LAZY = {
     "CaptureTwinsPass": "compile_pass.inductor_pass",
     "DistinctOutputsPass": "compile_pass.inductor_pass",
     "PieceWritesPass": "compile_pass.inductor_pass",
+    "ReturnedCopiesPass": "compile_pass.inductor_pass",
+    "distinct_outputs_patches": "compile_pass.inductor_pass",
     "keep_outputs_distinct": "compile_pass.distinct_outputs",
     "PassResult": "compile_pass.capture_pass",
     "rewrite_graph": "compile_pass.capture_pass",

@@ -297,8 +297,8 @@ class AuxCaptureBackend:
         import torch._inductor.config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        from compile_pass.inductor_pass import (CaptureTwinsPass, DistinctOutputsPass, PieceWritesPass,
-                                                chain_post_grad_passes)
+        from compile_pass.inductor_pass import (CaptureTwinsPass, PieceWritesPass, chain_post_grad_passes,
+                                                distinct_outputs_patches)
         from compile_pass.piecewise import BoxedCall
 
         patches = self._inductor_patches()
@@ -310,12 +310,12 @@ class AuxCaptureBackend:
             added = self._capture_pass() if rewrite_inside else PieceWritesPass() if piece else None
             if added is not None:
                 post_passes.append(added)
-        # last, with the pass on or off: no output handed back as a mutated input
-        post_passes.append(DistinctOutputsPass(self.outputs_kept_distinct))
         post_pass = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
         for added in post_passes:
             post_pass = chain_post_grad_passes(post_pass, added)
         patches["post_grad_custom_post_pass"] = post_pass
+        # last, with the pass on or off: no returned copy handed back as a mutated input
+        distinct_outputs_patches(patches, self.outputs_kept_distinct)
         if not boxed:
             return compile_fx(gm, example_inputs, config_patches=patches)
         from torch._dynamo.utils import GmWrapper

@@ -14,16 +14,24 @@ and ``af[2]`` is a fresh value, not yet the input. Reinplacing then makes ``af[2
 input itself, so the graph returns ``arg1``. A later in-place write to the residual (the
 next piece of a piecewise build, the next layer's fused norm) changes the "copy".
 
-``keep_outputs_distinct(graph)`` runs on the post-grad graph (after those passes, before
-reinplacing) and is the invariant this module keeps: **no graph output shares storage with
-a value that is written back into a graph input by a mutating op's functionalized form**.
-Each such output is replaced by a ``clone`` of it, which is what the program asked for
-(the clone Inductor removed). Only outputs of ``auto_functionalized``,
-``auto_functionalized_v2`` and ``triton_kernel_wrapper_functional`` (and views of them)
-qualify: an ordinary aten op's result copied into an input is lowered by Inductor into a
-buffer of its own, so it already is distinct and gets no extra copy.
+The invariant this module keeps: **a value the program returned as a copy is not handed
+back as (a view of) a graph input that a mutating op's functionalized form writes**. Two
+passes, both pure over the graph, keep it:
 
-Pure over the graph; returns the outputs it replaced so callers can say what they did.
+- ``mark_returned_copies(graph)``, a joint-graph pre pass (Inductor's
+  ``joint_custom_pre_pass``, before the first ``remove_noop_ops``): each returned
+  ``clone(x)`` whose ``x`` is such a written-back value (or a view of one) tags ``x``;
+- ``keep_outputs_distinct(graph)``, the last post-grad pass (after every
+  ``remove_noop_ops``, before reinplacing): each output that is a tagged value gets its
+  clone back, the copy the program asked for, no more.
+
+Only clones the program made are restored: an output that is meant to alias a mutated input
+(the packed buffer's slices that ``pack_outputs`` returns from a buffer the caller passes
+in) was never a clone and stays a view; an aten op's result copied into an input
+(``r.add_(h); return r.clone()``) is lowered by Inductor into a buffer of its own, so its
+clone is not at risk and is not tagged. Written-back values are the outputs of
+``auto_functionalized``, ``auto_functionalized_v2`` and ``triton_kernel_wrapper_functional``
+copied into a placeholder. Each pass returns the nodes it tagged or replaced.
 """
 
 from __future__ import annotations
@@ -35,11 +43,14 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.fx as fx
 
-__all__ = ["keep_outputs_distinct", "written_back_storages"]
+__all__ = ["RETURNED_COPY", "keep_outputs_distinct", "mark_returned_copies", "written_back_storages"]
 
 log = logging.getLogger("compile_pass")
 
 _aten = torch.ops.aten
+
+#: ``node.meta`` key: the program returned a clone of this value (``mark_returned_copies``)
+RETURNED_COPY = "compile_pass_returned_copy"
 
 
 def _functionalized_hops() -> tuple:
@@ -87,20 +98,50 @@ def written_back_storages(graph: fx.Graph) -> Dict[int, fx.Node]:
     return found
 
 
-def keep_outputs_distinct(graph: fx.Graph) -> List[fx.Node]:
-    """Clone every output that would become (a view of) a mutated graph input; return the
-    outputs replaced, in output order. A graph with none is left unchanged."""
-    output = next(iter(reversed(graph.nodes)))
-    if output.op != "output":
+def _output_node(graph: fx.Graph) -> Optional[fx.Node]:
+    output = next(iter(reversed(graph.nodes)), None)
+    return output if output is not None and output.op == "output" else None
+
+
+def mark_returned_copies(graph: fx.Graph) -> List[fx.Node]:
+    """Tag (``RETURNED_COPY``) the source of every returned ``clone`` of a value that is
+    written back into a graph input; return the tagged nodes. Changes no node but meta."""
+    output = _output_node(graph)
+    written_back = written_back_storages(graph) if output is not None else {}
+    if not written_back:
         return []
-    written_back = written_back_storages(graph)
+    marked: List[fx.Node] = []
+    for arg in _flat_nodes(output.args):
+        if arg.op != "call_function" or arg.target is not _aten.clone.default:
+            continue
+        source = arg.args[0]
+        if isinstance(source, fx.Node) and _storage(source) in written_back \
+                and not source.meta.get(RETURNED_COPY):
+            source.meta[RETURNED_COPY] = True
+            marked.append(source)
+    return marked
+
+
+def _flat_nodes(args: Any) -> List[fx.Node]:
+    nodes: List[fx.Node] = []
+    fx.node.map_arg(args, nodes.append)
+    return nodes
+
+
+def keep_outputs_distinct(graph: fx.Graph) -> List[fx.Node]:
+    """Clone every output that ``mark_returned_copies`` tagged and that would become (a view
+    of) a mutated graph input; return the outputs replaced, in output order. A graph with
+    none is left unchanged."""
+    output = _output_node(graph)
+    written_back = written_back_storages(graph) if output is not None else {}
     if not written_back:
         return []
     replaced: List[fx.Node] = []
     clones: Dict[fx.Node, fx.Node] = {}
 
     def distinct(arg: Any) -> Any:
-        if not isinstance(arg, fx.Node) or _storage(arg) not in written_back:
+        if not isinstance(arg, fx.Node) or not arg.meta.get(RETURNED_COPY) \
+                or _storage(arg) not in written_back:
             return arg
         if arg not in clones:
             with graph.inserting_before(output):

@@ -18,10 +18,12 @@ backend installs it whenever the pass is on; set it yourself next to ``AuxCaptur
 ``PieceWritesPass`` is the post-grad pass for pieces of a split graph, whose writes were
 put in on the Dynamo graph.
 
-``DistinctOutputsPass`` keeps each graph output distinct from the graph inputs a mutating
-op writes (``distinct_outputs.py``: stock Inductor may return the mutated residual itself
-for a ``residual.clone()`` capture). The backend runs it last on every Inductor graph,
-with the capture pass on or off; engine integrations add it to their pass managers.
+``ReturnedCopiesPass`` (joint-graph pre pass) and ``DistinctOutputsPass`` (post-grad, last)
+keep a returned copy distinct from the graph input a mutating op writes
+(``distinct_outputs.py``: stock Inductor may return the mutated residual itself for a
+``residual.clone()`` capture). The backend installs both on every Inductor graph, with the
+capture pass on or off (``distinct_outputs_patches``); engine integrations add both to
+their Inductor config.
 
 ``uuid()`` hashes the package's source files and the pass's options, so the FX graph
 cache misses whenever either changes and hits otherwise. It is a ``str`` (hex digest):
@@ -41,7 +43,8 @@ from torch._dynamo.utils import counters
 from compile_pass.capture_pass import PassResult, run_capture_pass
 from compile_pass.twins import TwinMerge, merge_capture_twins
 
-__all__ = ["AuxCapturePass", "CaptureTwinsPass", "DistinctOutputsPass", "PieceWritesPass", "source_hash"]
+__all__ = ["AuxCapturePass", "CaptureTwinsPass", "DistinctOutputsPass", "PieceWritesPass", "ReturnedCopiesPass",
+           "distinct_outputs_patches", "source_hash"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -131,9 +134,27 @@ class PieceWritesPass(CustomGraphPass):
         return source_hash("piece_writes")
 
 
+class ReturnedCopiesPass(CustomGraphPass):
+    """Joint-graph pre pass (``joint_custom_pre_pass``): tags the values the program
+    returned a clone of, before ``remove_noop_ops`` drops such clones
+    (``distinct_outputs.mark_returned_copies``). ``DistinctOutputsPass`` reads the tags."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        from compile_pass.distinct_outputs import mark_returned_copies
+
+        mark_returned_copies(graph)
+
+    def uuid(self) -> str:
+        return source_hash("returned_copies")
+
+    def __repr__(self) -> str:
+        return "ReturnedCopiesPass()"
+
+
 class DistinctOutputsPass(CustomGraphPass):
     """Post-grad pass: outputs that Inductor would hand back as a mutated graph input get
-    the copy the program made (``distinct_outputs.keep_outputs_distinct``).
+    the copy the program made (``distinct_outputs.keep_outputs_distinct``); needs
+    ``ReturnedCopiesPass`` as the joint-graph pre pass (``distinct_outputs_patches``).
 
     ``replaced`` collects the replaced outputs' names, graph after graph. Run it last: a
     later pass that drops clones would undo it.
@@ -172,6 +193,19 @@ class _ChainedPass(CustomGraphPass):
         if first is None or second is None:
             return None  # an uncacheable pass keeps the chain uncacheable
         return f"{first}+{second}"
+
+
+def distinct_outputs_patches(patches: dict, replaced: Optional[List[str]] = None) -> dict:
+    """``patches`` (an Inductor config patch dict, changed in place and returned) with
+    ``ReturnedCopiesPass`` chained after its ``joint_custom_pre_pass`` and
+    ``DistinctOutputsPass`` after its ``post_grad_custom_post_pass`` (each falling back to
+    Inductor's current config). ``replaced``: where the post pass lists what it replaced."""
+    import torch._inductor.config as inductor_config
+
+    for key, added in (("joint_custom_pre_pass", ReturnedCopiesPass()),
+                       ("post_grad_custom_post_pass", DistinctOutputsPass(replaced))):
+        patches[key] = chain_post_grad_passes(patches.get(key, getattr(inductor_config, key)), added)
+    return patches
 
 
 def chain_post_grad_passes(existing: Optional[Callable[[fx.Graph], None]],

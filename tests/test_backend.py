@@ -33,6 +33,7 @@ from compile_pass import (  # noqa: E402
     AuxCapturePass,
     CaptureTwinsPass,
     DistinctOutputsPass,
+    ReturnedCopiesPass,
     Decision,
     PassResult,
     Producer,
@@ -385,6 +386,8 @@ def test_mode_and_inductor_options_reach_compile_fx(monkeypatch):
         torch._dynamo.reset()
         out = torch.compile(_tiny_fn, backend=backend, **kwargs)(x)
         assert torch.equal(out, _tiny_fn(x))
+        # every Inductor compile: returned copies tagged before Inductor drops clones
+        assert isinstance(seen[-1].pop("joint_custom_pre_pass", None), ReturnedCopiesPass)
         return (seen[-1].pop("post_grad_custom_pre_pass", None),
                 seen[-1].pop("post_grad_custom_post_pass", None))
 

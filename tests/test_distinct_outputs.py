@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import communicator  # noqa: E402
 from compile_pass import aux_capture_backend, pack_aux_hidden_states  # noqa: E402
-from compile_pass.distinct_outputs import keep_outputs_distinct  # noqa: E402
+from compile_pass.distinct_outputs import (RETURNED_COPY, keep_outputs_distinct,  # noqa: E402
+                                           mark_returned_copies)
 
 pytestmark = pytest.mark.usefixtures("_fresh_dynamo")  # tests/conftest.py
 
@@ -54,20 +55,23 @@ def _aot_forward_graph(fn, *args) -> fx.GraphModule:
     return graphs[0]
 
 
-def _after_noop_removal(gm: fx.GraphModule) -> fx.Graph:
-    """The AOT graph as Inductor's custom post pass sees it (``remove_noop_ops`` ran)."""
+def _after_noop_removal(gm: fx.GraphModule, marked: int) -> fx.Graph:
+    """The AOT graph as Inductor's custom post pass sees it: the joint pre pass tagged
+    ``marked`` values, then ``remove_noop_ops`` ran."""
     from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
+    assert len(mark_returned_copies(gm.graph)) == marked
     remove_noop_ops(gm.graph)
     return gm.graph
 
 
-def test_only_functionalized_outputs_written_back_into_inputs_are_cloned():
+def test_only_returned_copies_of_values_written_back_into_inputs_are_cloned():
     h, r = torch.randn(4, 8), torch.randn(4, 8)
-    graph = _after_noop_removal(_aot_forward_graph(_fused_then_clone, h.clone(), r.clone()))
+    graph = _after_noop_removal(_aot_forward_graph(_fused_then_clone, h.clone(), r.clone()), marked=1)
     output = next(iter(reversed(graph.nodes)))
     returned = output.args[0][0]
     assert returned.op == "call_function" and "getitem" in returned.name  # the clone is gone
+    assert returned.meta[RETURNED_COPY]
     replaced = keep_outputs_distinct(graph)
     assert replaced == [returned]
     new = output.args[0][0]
@@ -76,8 +80,24 @@ def test_only_functionalized_outputs_written_back_into_inputs_are_cloned():
     graph.lint()
     assert keep_outputs_distinct(graph) == []  # idempotent: the clone is an output of its own
 
-    plain = _after_noop_removal(_aot_forward_graph(_add_then_clone, h.clone(), r.clone()))
+    plain = _after_noop_removal(_aot_forward_graph(_add_then_clone, h.clone(), r.clone()), marked=0)
     assert keep_outputs_distinct(plain) == []  # an aten result copied back: no extra copy
+
+
+def _write_then_return_views(buf, h):
+    """What ``pack_outputs`` compiles to with a lifted buffer: writes into a buffer the caller
+    passes, then returns its slices (meant to alias it)."""
+    torch.ops.compile_pass.write_slice_(buf, h * 2, 1, 0)
+    torch.ops.compile_pass.write_slice_(buf, h * 3, 1, 8)
+    return buf[:, :8], buf[:, 8:]
+
+
+def test_views_meant_to_alias_a_written_input_are_not_cloned():
+    import compile_pass.ops  # noqa: F401  (registers compile_pass::write_slice_)
+
+    buf, h = torch.zeros(4, 16), torch.randn(4, 8)
+    graph = _after_noop_removal(_aot_forward_graph(_write_then_return_views, buf, h), marked=0)
+    assert keep_outputs_distinct(graph) == []
 
 
 @pytest.mark.inductor
