@@ -36,12 +36,15 @@ copied into a placeholder. Each pass returns the nodes it tagged or replaced.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.fx as fx
+
+from compile_pass.dataflow import storage_key
 
 __all__ = ["RETURNED_COPY", "keep_outputs_distinct", "mark_returned_copies", "written_back_storages"]
 
@@ -64,13 +67,9 @@ def _functionalized_hops() -> tuple:
 
 
 def _storage(node: Any) -> Optional[int]:
+    """The storage key of the node's (fake) value (``dataflow.storage_key``), if a tensor."""
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
-    if not isinstance(value, torch.Tensor):
-        return None
-    try:
-        return id(value.untyped_storage())
-    except (NotImplementedError, RuntimeError):  # a tensor subclass without storage
-        return None
+    return storage_key(value) if isinstance(value, torch.Tensor) else None
 
 
 def _is_functionalized_output(node: fx.Node, hops: tuple) -> bool:
@@ -146,7 +145,7 @@ def keep_outputs_distinct(graph: fx.Graph) -> List[fx.Node]:
         if arg not in clones:
             with graph.inserting_before(output):
                 clone = graph.call_function(_aten.clone.default, (arg,))
-            clone.meta.update({k: v for k, v in arg.meta.items() if k != "val"})
+            clone.meta.update({k: v for k, v in arg.meta.items() if k not in ("val", RETURNED_COPY)})
             value = arg.meta["val"]
             with _fake_mode_of(value):
                 clone.meta["val"] = value.clone()
@@ -162,7 +161,5 @@ def keep_outputs_distinct(graph: fx.Graph) -> List[fx.Node]:
 
 
 def _fake_mode_of(value: torch.Tensor) -> Any:
-    import contextlib
-
     mode = getattr(value, "fake_mode", None)
     return mode if mode is not None else contextlib.nullcontext()
