@@ -1234,6 +1234,8 @@ def fuzz(n: int, inners: Sequence[str], start_seed: int = 0, inductor_every: int
             if not r.ok or r.pass_errors or r.anomalies:
                 if not r.ok:
                     failing.append((seed, inner, spec.describe()))
+                    if progress is not None:  # as it happens: a long run may be cut short
+                        print(r.describe(), file=progress, flush=True)
                 details.append(r.describe())
         if progress is not None and (case + 1) % 25 == 0:
             bad = len(failing)
