@@ -1018,8 +1018,10 @@ def _compare_inductor(result: CaseResult, module: nn.Module, inputs: Sequence[to
         else:
             eager_args = _clone_inputs(inputs)
             eager_out = tuple(module(*eager_args))
-            if _compare(out[1:], args, eager_out[1:], eager_args, packed) is not None \
-                    or _difference(ref_out[1:], eager_out[1:], "") is None:
+            # the list build is wrong where its captures or the inputs it mutates differ from
+            # eager's; the pass must then equal eager's in both
+            reference_wrong = _compare(ref_out[1:], ref_args, eager_out[1:], eager_args, packed) is not None
+            if _compare(out[1:], args, eager_out[1:], eager_args, packed) is not None or not reference_wrong:
                 return f"captures: {capture_diff} (and vs the list build with twins merged)"
             result.reference_wrong = True
     extra = {(i, j) for i, j in _aliasing(out) - _aliasing(ref_out)
