@@ -6,7 +6,8 @@
 Rows: the vLLM-style decoder (``compile_pass/integrations/vllm_harness.py``: 8 layers, K=5
 returned captures, H=256, fp32, 2048 tokens; ``sum`` captures ``hidden + residual``,
 ``clone`` captures ``residual.clone()`` after an in-place fused norm) and one Llama 3.1 70B
-TP=8 rank (``models/engine.py``, ``--engine-layers`` layers, K=3, bf16), each compiled by
+TP=8 rank (``models/engine.py``, ``--engine-layers`` layers, ``--engine-captures`` K, bf16;
+the default 4 layers capture Eagle3's layers of a 4-layer model, (1, 2): K=2), each compiled by
 vLLM's VllmBackend with eager and Inductor pieces. The speculator's own ``torch.cat``
 statement packs (``spec_decode/target_dependent_ar/speculator.py``'s ``torch``).
 overhead = (peak - peak of the same build without captures) / packed bytes; "bitwise": the
@@ -95,6 +96,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--engine-layers", type=int, default=4)
     ap.add_argument("--engine-tokens", type=int, default=1024)
+    ap.add_argument("--engine-captures", default="",
+                    help="comma-separated K for the engine rank (models.engine.with_captures: "
+                         "DFlash's K layers spread over the depth, Eagle3's for K=3); "
+                         "empty: the config's default layers")
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--no-piece-passes", action="store_true",
                     help="plugin on without its per-piece Inductor passes (diagnosis)")
@@ -105,25 +110,29 @@ def main() -> None:
     rows = []
     x = torch.randn(args.tokens, 256)
     for backend in args.backends.split(","):
-        for style in args.styles.split(","):
+        for style in [s for s in args.styles.split(",") if s]:
             def make(caps, style=style):
                 return H.VllmStyleDecoder, {"style": style, "capture_at": (1, 3, 5, 6, 7) if caps else ()}
             rows += measure(f"vllm_style_{style}", backend, make, (x,), (torch.randn(64, 256),))
         if not args.no_engine:
             from models import engine
 
-            cfg = engine.llama_3_1_70b(tp=8, num_layers=args.engine_layers)
-            ids, pos = engine.example_inputs(cfg, args.engine_tokens)
-            wids, wpos = engine.example_inputs(cfg, 64)
+            base = engine.llama_3_1_70b(tp=8, num_layers=args.engine_layers)
+            ks = [int(k) for k in args.engine_captures.split(",") if k] or [None]
+            for k in ks:
+                cfg = base if k is None else engine.with_captures(base, k)
+                ids, pos = engine.example_inputs(cfg, args.engine_tokens)
+                wids, wpos = engine.example_inputs(cfg, 64)
 
-            def make_engine(caps, cfg=cfg):
-                return H.EngineRank, {"cfg": cfg, "capture_mode": "list_out" if caps else "none"}
-            rows += measure(f"llama_3_1_70b_tp8_{args.engine_layers}l", backend, make_engine,
-                            (ids, pos), (wids, wpos))
+                def make_engine(caps, cfg=cfg):
+                    return H.EngineRank, {"cfg": cfg, "capture_mode": "list_out" if caps else "none"}
+                rows += measure(f"llama_3_1_70b_tp8_{args.engine_layers}l_k{cfg.num_captures}", backend,
+                                make_engine, (ids, pos), (wids, wpos))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"torch": torch.__version__, "vllm": __import__("vllm").__version__,
-                       "tokens": args.tokens, "engine_tokens": args.engine_tokens, "rows": rows}, f, indent=1)
+                       "tokens": args.tokens, "engine_tokens": args.engine_tokens,
+                       "engine_layers": args.engine_layers, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,58 @@ def test_vllm_inductor_pieces_clone_captures(plugin_off):
     assert not torch.equal(rows[False][True][2], rp)  # the hazard, measured without the plugin
 
 
+def test_vllm_inductor_pieces_native_norm(plugin_off):
+    """vLLM's ``RMSNorm.forward_native`` style (the norm's ``hidden + residual`` in torch: a
+    piece computes the capture's sum a second time), Inductor pieces. Inductor fuses the
+    norm's sum differently from the uncompiled model (about 1e-6 off, plugin on or off), so
+    here the plugin's build is compared bitwise with vLLM's build without the plugin."""
+    ref = H.build("none", style="native", capture_at=CAPTURES)[0]
+    rows = {on: _measure("inductor", "native", ref, on)[0] for on in (False, True)}
+    packed_bytes = TOKENS * 256 * 4 * len(CAPTURES)
+    overhead = {on: (rows[on][True][0] - rows[on][False][0]) / packed_bytes for on in rows}
+    assert overhead[False] >= 1.10 and overhead[True] <= 1.02, overhead
+    _, h_off, packed_off, others_off = rows[False][True]
+    _, h_on, packed_on, others_on = rows[True][True]
+    assert torch.equal(h_on, h_off) and torch.equal(packed_on, packed_off)
+    for (a, aux_a), (b, aux_b) in zip(others_on, others_off):
+        assert torch.equal(a, b) and torch.equal(_speculator_cat(aux_a), torch.cat(aux_b, -1))
+
+
+def test_vllm_inductor_pieces_keep_returned_clones_distinct(plugin_off, monkeypatch):
+    """The plugin on, but no capture rewritten (here: the rewrite fails, so the graph is split
+    unchanged): the pieces return the ``residual.clone()`` captures themselves. Inductor's
+    ``remove_noop_ops`` and then vLLM's own ``UnsafeCloneEliminationPass`` drop those clones
+    (both compare storages before reinplacing); ``ReturnedCopiesPass`` (the joint-graph pre
+    pass, through ``VllmBackend.configure_post_pass``) tags them and ``DistinctOutputsPass``
+    (right after vLLM's clone elimination) restores them: captures bitwise the uncompiled
+    model's, at every token count of one compile."""
+    import compile_pass
+    from torch._dynamo.utils import counters
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no rewrite in this test")
+
+    ref = H.build("none", style="clone", capture_at=CAPTURES)[0]
+    assert plugin.install()
+    monkeypatch.setattr(compile_pass, "rewrite_graph", refuse)
+    before = dict(plugin.stats)
+    kept = counters["aux_capture"]["outputs_kept_distinct"]
+    model, run, _ = H.build("inductor", style="clone", capture_at=CAPTURES)
+    model.load_state_dict(ref.state_dict())
+    torch.manual_seed(2)
+    for n in (5, 300):
+        x = torch.randn(n, 256)
+        h, aux = run(x)
+        with torch.no_grad():
+            rh, raux = ref(x)
+        assert torch.equal(h, rh)
+        assert len(aux) == len(raux) and all(torch.equal(a, b) for a, b in zip(aux, raux))
+    assert plugin.stats["rewrite_errors"] > before["rewrite_errors"]
+    assert plugin.stats["joint_pre_passes"] > before["joint_pre_passes"]
+    assert plugin.stats["distinct_passes"] > before["distinct_passes"]
+    assert counters["aux_capture"]["outputs_kept_distinct"] >= kept + len(CAPTURES)
+
+
 def test_register_does_nothing_unless_asked(plugin_off, monkeypatch):
     monkeypatch.delenv(plugin.ENV_VAR, raising=False)
     import vllm.compilation.backends as backends
@@ -157,8 +209,18 @@ def test_compile_cache_key_changes_with_the_plugin(plugin_off):
     plugin.uninstall()
     assert on != off and len(on) == len(off) and config.compute_hash() == off
     # this project's passes hash as vLLM expects: str uuids
-    pieces = [p for p in (plugin._piece_pass_class(__import__(
-        "vllm.compilation.passes.inductor_pass", fromlist=["InductorPass"]).InductorPass)(),)]
+    from vllm.compilation.passes.inductor_pass import InductorPass
+    from compile_pass.inductor_pass import ReturnedCopiesPass
+
+    class Elim(InductorPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return "elim"
+
+    pieces = [plugin._piece_pass_class(InductorPass)(), plugin._distinct_after_class(InductorPass)(Elim()),
+              ReturnedCopiesPass()]
     assert all(isinstance(p.uuid(), str) for p in pieces)
 
 

