@@ -7,6 +7,14 @@ package (its CPU build is not on PyPI): a module whose names are placeholders ra
 NotImplementedError when called, created below; the Llama path on the CPU calls none of them.
 
     K=12 python benchmarks/sglang_model_runner.py [out.json]     # env: K, NREQ, LEN, LAYERS
+
+COMPILE=1: also ``model.forward`` compiled as SGLang's ``--enable-torch-compile`` does it on
+the CPU (``cpu_graph_runner.set_torch_compile_config()`` and ``patch_model``: Inductor,
+``dynamic=False``, freezing on), then called through ``ModelRunner.forward`` for the same
+extend; plugin off (stock Inductor config), then ``enable()`` (its Inductor config) and a
+fresh compile. SGLang's own CPU graph runner cannot run here (it needs the ``intel_amx``
+attention backend, whose kernels are ``sgl_kernel``'s CPU build; ``torch_native`` has no
+``init_cpu_graph_state``), so the extend batch is the one compiled.
 """
 import os, sys, types, tempfile, importlib.abc, importlib.machinery
 os.environ["SGLANG_USE_CPU_ENGINE"]="1"
@@ -36,7 +44,11 @@ _cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1000,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
         "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
-_dir = tempfile.mkdtemp(prefix="sglang_tiny_llama_")
+if os.environ.get("ARCH", "llama") == "qwen2_moe":  # ARCH=qwen2_moe: a tiny random MoE config
+    _cfg.update({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_experts": 4,
+                 "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 0,
+                 "decoder_sparse_step": 1, "norm_topk_prob": False, "mlp_only_layers": [], "use_sliding_window": False})
+_dir = tempfile.mkdtemp(prefix="sglang_tiny_model_")
 import json as _json
 with open(os.path.join(_dir, "config.json"), "w") as _f:
     _json.dump(_cfg, _f)
@@ -46,9 +58,13 @@ print("server args ok")
 from sglang.srt.runtime_context import publish, SpawnRanks
 publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=0, gpu_id=0))
 from sglang.srt.distributed.bootstrap import init_parallel_runtime
-init_parallel_runtime(server_args=sa, device="cpu", dist_port=29556)
+import socket
+def _free_port():
+    with socket.socket() as s_:
+        s_.bind(("127.0.0.1", 0)); return s_.getsockname()[1]
+init_parallel_runtime(server_args=sa, device="cpu", dist_port=_free_port())
 mc = ModelConfig.from_server_args(sa)
-mr = ModelRunner(model_config=mc, mem_fraction_static=sa.mem_fraction_static, gpu_id=0, nccl_port=29555, server_args=sa)
+mr = ModelRunner(model_config=mc, mem_fraction_static=sa.mem_fraction_static, gpu_id=0, nccl_port=_free_port(), server_args=sa)
 print("runner ok", type(mr.model))
 mr.alloc_memory_pool()
 mr.init_attention_backends()
@@ -98,13 +114,53 @@ m = mr.model
 base, o0 = run()
 print("base ok", base)
 m.capture_aux_hidden_states = True
-m.model.layers_to_capture = list(range(1, 1 + K))
+if hasattr(m.model, "set_eagle3_layers_to_capture") and _cfg["model_type"] != "llama":
+    m.model.set_eagle3_layers_to_capture(list(range(1, 1 + K)))  # qwen2_moe: flags the layers too
+else:
+    m.model.layers_to_capture = list(range(1, 1 + K))
 off, o1 = run(); h_off = o1.hidden_states.clone()
 from compile_pass.integrations import sglang as plugin
+packed = NREQ * L * 256 * K * 4
+if os.environ.get("COMPILE", "0") == "1":
+    from types import SimpleNamespace
+    from sglang.srt.model_executor.cpu_graph_runner import patch_model, set_torch_compile_config
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    set_torch_compile_config()
+    eager_fwd = m.forward
+    logits_ref = o1.next_token_logits.clone()
+    def compiled_peaks():
+        torch._dynamo.reset()
+        m.forward = eager_fwd
+        with patch_model(m, True, num_tokens=NREQ * L, tp_group=SimpleNamespace(ca_comm=None)) as fwd:
+            m.forward = fwd
+            layers, m.model.layers_to_capture = m.model.layers_to_capture, []
+            m.capture_aux_hidden_states = False
+            run(); b, _ = run()
+            m.capture_aux_hidden_states, m.model.layers_to_capture = True, layers
+            run(); c, o = run()
+        m.forward = eager_fwd
+        return b, c, o
+    cb_off, c_off, oc1 = compiled_peaks(); hc_off = oc1.hidden_states.clone(); lc_off = oc1.next_token_logits.clone()
+    print("enable", plugin.enable())
+    cb_on, c_on, oc2 = compiled_peaks()
+    hc_on = oc2.hidden_states
+    res = {"K": K, "layers": _cfg["num_hidden_layers"], "tokens": NREQ * L, "compiled": "torch.compile(no_grad(model.forward), dynamic=False), freezing",
+           "eager_overhead_off": round((off - base) / packed, 3),
+           "compiled_overhead_off": round((c_off - cb_off) / packed, 3), "compiled_overhead_on": round((c_on - cb_on) / packed, 3),
+           "compiled_peak_off": c_off, "compiled_peak_on": c_on,
+           "on_vs_off_bitwise": bool(torch.equal(hc_off, hc_on)),
+           "on_max_abs_vs_uncompiled": float((hc_on - h_off).abs().max()), "off_max_abs_vs_uncompiled": float((hc_off - h_off).abs().max()),
+           "logits_on_max_abs_vs_uncompiled": float((oc2.next_token_logits - logits_ref).abs().max()),
+           "graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": sum(counters["graph_break"].values()),
+           "aux_capture": dict(counters["aux_capture"]), "plugin_inductor": plugin.STATE["inductor"]}
+    print(json.dumps(res))
+    if len(sys.argv) > 1:
+        open(sys.argv[1], "w").write(json.dumps(res, indent=1) + "\n")
+    sys.exit(0)
 print("enable", plugin.enable())
 on, o2 = run(); h_on = o2.hidden_states
-packed = NREQ * L * 256 * K * 4
-res = ({"K": K, "layers": _cfg["num_hidden_layers"], "model": "sglang.srt.models.llama.LlamaForCausalLM", "tokens": NREQ * L, "overhead_off": round((off - base) / packed, 3),
+res = ({"K": K, "layers": _cfg["num_hidden_layers"], "model": _cfg["architectures"][0], "tokens": NREQ * L, "overhead_off": round((off - base) / packed, 3),
   "overhead_on": round((on - base) / packed, 3), "bitwise": bool(torch.equal(h_off, h_on)),
   "logits_equal": bool(torch.equal(o1.next_token_logits, o2.next_token_logits)), "packed_views": plugin.STATE["packed"], "fallbacks": plugin.STATE["fallbacks"]})
 print(json.dumps(res))

@@ -1,4 +1,6 @@
-"""SGLang's real ModelRunner extend (LlamaForCausalLM, CPU), plugin off vs on (``make sglang``)."""
+"""SGLang's real ModelRunner extend on the CPU, plugin off vs on (``make sglang``):
+LlamaForCausalLM and Qwen2MoeForCausalLM (tiny random configs), and Llama's ``model.forward``
+compiled as SGLang's ``--enable-torch-compile`` compiles it (``benchmarks/sglang_model_runner.py``)."""
 
 import json
 import os
@@ -13,14 +15,38 @@ pytest.importorskip("sglang")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_model_runner_extend_llama_dflash_k12_packed_in_place(tmp_path):
+def _bench(tmp_path, **env_extra):
     out = tmp_path / "r.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILE_PASS_SGLANG")}
-    env.update(K="12", LAYERS="16", NREQ="4", LEN="512", PYTHONPATH=str(ROOT))
+    env.update(env_extra, PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sglang_model_runner.py"), str(out)],
-                       capture_output=True, text=True, env=env, timeout=400, cwd=tmp_path)
+                       capture_output=True, text=True, env=env, timeout=500, cwd=tmp_path)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    res = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_model_runner_extend_llama_dflash_k12_packed_in_place(tmp_path):
+    res = _bench(tmp_path, K="12", LAYERS="16", NREQ="4", LEN="512")
     assert res["bitwise"] and res["logits_equal"], res       # packed captures = list path's
     assert res["packed_views"] >= 1 and res["fallbacks"] == 0, res  # the logits pack was a view
     assert res["overhead_off"] >= 1.15 and res["overhead_on"] <= 1.01, res
+
+
+def test_model_runner_extend_qwen2_moe_k12_packed_in_place(tmp_path):
+    """An MoE class (routed experts; no shared expert: its gate is a Triton kernel)."""
+    res = _bench(tmp_path, ARCH="qwen2_moe", K="12", LAYERS="16", NREQ="4", LEN="512")
+    assert res["model"] == "Qwen2MoeForCausalLM"
+    assert res["bitwise"] and res["logits_equal"], res
+    assert res["packed_views"] >= 1 and res["fallbacks"] == 0, res
+    assert res["overhead_off"] >= 1.03 and res["overhead_on"] <= 1.01, res
+
+
+def test_enable_torch_compile_forward_plugin_on_equals_off(tmp_path):
+    """SGLang's compile of model.forward (its set_torch_compile_config and patch_model):
+    with the plugin (its list and its Inductor config) the same graphs, peak and outputs."""
+    res = _bench(tmp_path, COMPILE="1", K="3", LAYERS="4", NREQ="2", LEN="256")
+    assert res["on_vs_off_bitwise"], res
+    assert res["compiled_peak_on"] <= res["compiled_peak_off"], res
+    assert res["on_max_abs_vs_uncompiled"] < 1e-4 and res["logits_on_max_abs_vs_uncompiled"] < 1e-4, res
+    assert set(res["plugin_inductor"]) == {"post_grad_custom_pre_pass", "post_grad_custom_post_pass",
+                                           "joint_custom_pre_pass"}

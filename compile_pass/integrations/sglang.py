@@ -21,9 +21,15 @@ What it does (sglang 0.5.23, through SGLang's own ``HookRegistry``):
   never a caller's frame);
 - replaces ``pack_aux_hidden_states`` by one that returns a view when the captures are
   adjacent slices of one buffer (the logits processor's pack), else SGLang's own ``torch.cat``;
-- with ``--enable-torch-compile`` (``COMPILE_PASS_SGLANG_COMPILE=1``, default on): sets
-  this project's post-grad capture pass on Inductor's global config, which SGLang's
-  compile of ``model.forward`` honours (only where the user has set no pass of their own).
+- with ``--enable-torch-compile`` (``COMPILE_PASS_SGLANG_COMPILE=1``, default on): chains
+  this project's passes after whatever is on Inductor's global config, which SGLang's
+  compile of ``model.forward`` honours: the twins pass (post-grad pre pass), the capture
+  pass then ``DistinctOutputsPass`` (post-grad post pass, last) and ``ReturnedCopiesPass``
+  (joint-graph pre pass); see :func:`_set_compile_pass`.
+
+Inside a graph Dynamo traces (``--enable-torch-compile``), the list and the pack are SGLang's
+(``super()`` calls, which Dynamo traces like SGLang's class; the pack hands SGLang's cat a plain
+list, so the cat is in the graph for the capture pass instead of a graph break).
 
 Anything unexpected (another SGLang layout, a class that is no list, a capture whose shape
 differs, more captures than ``layers_to_capture``) is a warning naming it, and SGLang runs
@@ -51,6 +57,8 @@ ENV = "COMPILE_PASS_SGLANG"
 ENV_COMPILE = "COMPILE_PASS_SGLANG_COMPILE"
 AUX_MODULE = "sglang.srt.layers.aux_hidden_states"
 RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+#: the Inductor config keys the plugin chains its passes onto
+INDUCTOR_KEYS = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass", "joint_custom_pre_pass")
 
 #: K for the forward in progress (set around ``ModelRunner.forward``); None: not known.
 _num_captures: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
@@ -58,7 +66,7 @@ _num_captures: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
 
 #: what register() did: ``active``, ``reason`` (why not), originals kept at registration.
 STATE: dict = {"active": False, "reason": "not registered", "orig_list": None,
-               "orig_pack": None, "fallbacks": 0, "packed": 0}
+               "orig_pack": None, "fallbacks": 0, "packed": 0, "inductor": {}}
 
 
 def _warn(msg: str) -> None:
@@ -99,16 +107,24 @@ class _PackingMixin:
             return False
         slot = buf[..., n * h:(n + 1) * h]
         slot.copy_(hidden)
-        list.append(self, slot)
+        super().append(slot)
         return True
 
+    # Inside a compiled graph the list is SGLang's (the capture pass packs there): each
+    # method goes straight to the original through ``super()``, which Dynamo traces as it
+    # traces SGLang's class (``list.append(self, x)`` is a graph break per capture).
+
     def append(self, hidden):  # noqa: D401 - list API
+        if torch.compiler.is_compiling():
+            return super().append(hidden)
         if not self._cp_write(hidden):
-            list.append(self, hidden)
+            super().append(hidden)
 
     def capture(self, hidden: torch.Tensor, *, owned: bool = False) -> None:
+        if torch.compiler.is_compiling():
+            return super().append(hidden if owned else hidden.clone())
         if not self._cp_write(hidden):
-            list.append(self, hidden if owned else hidden.clone())
+            super().append(hidden if owned else hidden.clone())
 
 
 class PackingAuxHiddenStateList(_PackingMixin, list):
@@ -127,6 +143,12 @@ def _make_list_class(orig: type) -> type:
 
 def pack_view(aux_hidden_states):
     """SGLang's ``pack_aux_hidden_states``, a view where the captures are adjacent slices."""
+    if torch.compiler.is_compiling():
+        # traced: SGLang's own cat, of a plain list (Dynamo cannot hand a list subclass to
+        # torch.cat: a graph break, and the cat would run outside the graph the pass sees)
+        if isinstance(aux_hidden_states, list) and type(aux_hidden_states) is not list:
+            aux_hidden_states = list(aux_hidden_states)
+        return STATE["orig_pack"](aux_hidden_states)
     if isinstance(aux_hidden_states, (list, tuple)) and len(aux_hidden_states) > 1:
         try:
             out = _cp_pack(aux_hidden_states)
@@ -170,24 +192,42 @@ def _runner_forward(original_fn, self, *args, **kwargs):
 
 
 def _set_compile_pass() -> None:
+    """Inductor's global config for ``--enable-torch-compile`` (SGLang compiles
+    ``model.forward`` with it): each pass chained after whatever the user set there.
+
+    - ``post_grad_custom_pre_pass``: ... then ``CaptureTwinsPass``;
+    - ``post_grad_custom_post_pass``: ... then ``AuxCapturePass`` then ``DistinctOutputsPass``
+      (last: no clone of a mutated input, e.g. a ``residual.clone()`` capture after a fused
+      add-norm, handed back as the input itself);
+    - ``joint_custom_pre_pass``: ... then ``ReturnedCopiesPass`` (tags the returned clones
+      before ``remove_noop_ops`` drops them; ``DistinctOutputsPass`` needs the tags).
+    """
     if os.environ.get(ENV_COMPILE, "1").strip().lower() in ("0", "false", "no", "off"):
+        STATE["inductor"] = {}
         return
     try:
         import torch._inductor.config as ic
 
         from compile_pass.inductor_pass import (AuxCapturePass, CaptureTwinsPass,
-                                                DistinctOutputsPass, _ChainedPass)
+                                                chain_post_grad_passes, distinct_outputs_patches)
     except Exception as e:  # torch without the APIs the pass needs
         _warn(f"the capture pass is not set for --enable-torch-compile ({e!r})")
         return
-    if ic.post_grad_custom_post_pass is None:
-        # DistinctOutputsPass last: no clone of a mutated input handed back (issue 22)
-        ic.post_grad_custom_post_pass = _ChainedPass(AuxCapturePass(), DistinctOutputsPass())
-    else:
-        _warn(f"torch._inductor.config.post_grad_custom_post_pass is already "
-              f"{ic.post_grad_custom_post_pass!r}: the capture pass is not added")
-    if ic.post_grad_custom_pre_pass is None:
-        ic.post_grad_custom_pre_pass = CaptureTwinsPass()
+    missing = [k for k in INDUCTOR_KEYS if not hasattr(ic, k)]
+    if missing:
+        _warn(f"torch._inductor.config has no {', '.join(missing)}: the capture pass is not set "
+              f"for --enable-torch-compile")
+        return
+    patches = {
+        "post_grad_custom_pre_pass": chain_post_grad_passes(ic.post_grad_custom_pre_pass,
+                                                            CaptureTwinsPass()),
+        "post_grad_custom_post_pass": chain_post_grad_passes(ic.post_grad_custom_post_pass,
+                                                             AuxCapturePass()),
+    }
+    distinct_outputs_patches(patches)  # ReturnedCopiesPass / DistinctOutputsPass chained last
+    for key, value in patches.items():
+        setattr(ic, key, value)
+    STATE["inductor"] = {k: repr(v) for k, v in patches.items()}
 
 
 def enable(*, registry: Any = None, apply: bool = True) -> bool:
