@@ -12,8 +12,12 @@ More values are live there too.
 so the capture reads the model's own value: run before Inductor's pattern passes (a
 ``post_grad_custom_pre_pass``), the graph then compiles like the build without captures
 plus one reader per capture. Invariant: two nodes are merged only when they call the same
-deterministic functional op on the same arguments and nothing writes any argument's
-storage between them, so every value the graph computes stays bitwise the same.
+deterministic functional op on the same arguments, nothing writes any argument's storage
+between them, and they do not both leave the graph (as outputs or written back into an
+input): so every value the graph computes stays bitwise the same, and no two tensors the
+caller receives become one (a piece of a split graph returns a capture and the residual
+it equals; the next piece mutates the capture in place, which must not change the
+residual).
 
 ``twin_of(node, table)`` is the same test without the merge, for estimates of graphs that
 Inductor merges later (the pass prices Dynamo graphs, ``cost.py``).
@@ -34,7 +38,7 @@ from compile_pass.dataflow import NodeTable, gc_paused, source_line
 if TYPE_CHECKING:
     from compile_pass.groups import CaptureGroup
 
-__all__ = ["TwinMerge", "capture_twins", "capture_values", "merge_capture_twins", "twin_of"]
+__all__ = ["TwinMerge", "capture_twins", "capture_values", "escaping", "merge_capture_twins", "twin_of"]
 
 _WRITE = torch.ops.compile_pass.write_slice_.default
 #: torch-IR spellings of pure arithmetic (Dynamo graphs): deterministic, no mutation
@@ -156,13 +160,33 @@ def capture_values(graph: fx.Graph, table: Optional[NodeTable] = None,
     return sorted(values, key=table.position.__getitem__)
 
 
+def escaping(graph: fx.Graph) -> Set[fx.Node]:
+    """Values that leave the graph: its outputs and what ``copy_`` writes into a graph input."""
+    leaving: Set[fx.Node] = set()
+    for node in reversed(graph.nodes):
+        if node.op == "output":
+            leaving.update(node.all_input_nodes)
+            break
+    for copy in graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default):
+        if isinstance(copy.args[0], fx.Node) and copy.args[0].op == "placeholder" \
+                and isinstance(copy.args[1], fx.Node):
+            leaving.add(copy.args[1])
+    return leaving
+
+
+def _both_leave(a: fx.Node, b: fx.Node, leaving: Set[fx.Node]) -> bool:
+    return a in leaving and b in leaving
+
+
 def capture_twins(captures: Iterable[fx.Node], table: NodeTable) -> Dict[fx.Node, fx.Node]:
     """For each of ``captures`` with a twin: the later of the two -> the earlier, the node
-    that computes their value once they are merged."""
+    that computes their value once they are merged (pairs that both leave the graph are
+    not merged)."""
     merged: Dict[fx.Node, fx.Node] = {}
+    leaving = escaping(table.graph)
     for capture in captures:
         twin = twin_of(capture, table)
-        if twin is not None:
+        if twin is not None and not _both_leave(capture, twin, leaving):
             early, late = sorted((capture, twin), key=table.position.__getitem__)
             merged[late] = early
     return merged
@@ -204,19 +228,23 @@ def merge_capture_twins(graph: fx.Graph) -> List[TwinMerge]:
         if not candidates:
             return []
         captures = set(capture_values(graph, table))
+        leaving = escaping(graph)
         merges: List[TwinMerge] = []
         dropped: Set[fx.Node] = set()
         for capture in candidates:
             if capture in dropped or capture not in captures:
                 continue
             twin = twin_of(capture, table)
-            while twin is not None:
+            # two tensors the caller receives stay two
+            while twin is not None and not _both_leave(capture, twin, leaving):
                 keep, drop = (twin, capture) if table.position[twin] < table.position[capture] \
                     else (capture, twin)
                 merges.append(TwinMerge(keep.name, drop.name, _op_name(keep), source_line(capture)))
                 drop.replace_all_uses_with(keep)
                 graph.erase_node(drop)
                 dropped.add(drop)
+                if drop in leaving:
+                    leaving.add(keep)
                 table = NodeTable(graph)
                 capture = keep
                 twin = twin_of(capture, table)
