@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 HF_PIN    ?= transformers==5.24.0
 N         ?= 1000
 
-.PHONY: demo test compat vllm sglang bench scale fuzz gpu-check gpu-dry-run clean
+.PHONY: demo test compat vllm vllm-cpu sglang bench scale fuzz gpu-check gpu-dry-run clean
 
 $(VENV)/.installed-%: pyproject.toml
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
