@@ -3,7 +3,7 @@
     ~/.cache/compile_pass/venv-vllm0.33.0/bin/python benchmarks/vllm_capture.py \\
         --out docs/results/vllm_capture_cpu.json
 
-Rows: the vLLM-style decoder (``compile_pass/integrations/vllm_harness.py``: 8 layers, K=5
+Rows: the vLLM-style decoder (``models/vllm_style.py``: 8 layers, K=5
 returned captures, H=256, fp32, 2048 tokens; ``sum`` captures ``hidden + residual``,
 ``clone`` captures ``residual.clone()`` after an in-place fused norm) and one Llama 3.1 70B
 TP=8 rank (``models/engine.py``, ``--engine-layers`` layers, ``--engine-captures`` K, bf16;
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from compile_pass import measure_peak  # noqa: E402
 from compile_pass.integrations import vllm as plugin  # noqa: E402
-from compile_pass.integrations import vllm_harness as H  # noqa: E402
+import models.vllm_style as H  # noqa: E402
 
 
 def _cat(aux):

@@ -2,7 +2,7 @@
 and one compile over a symbolic token count (``benchmarks/dynamic_tokens.py``).
 
 Budget: the graph-level tests trace AOT graphs only; the Inductor tests compile the
-communicator-style held-out decoder (tests/communicator.py, 4 layers, 9 pieces when split)
+communicator-style held-out decoder (models/communicator.py, 4 layers, 9 pieces when split)
 once per configuration, the FX graph cache shared between them.
 """
 
@@ -21,7 +21,7 @@ from functorch.compile import make_boxed_func
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
-import communicator  # noqa: E402
+import models.communicator as communicator  # noqa: E402
 from compile_pass import aux_capture_backend, pack_aux_hidden_states  # noqa: E402
 from compile_pass.distinct_outputs import (RETURNED_COPY, keep_outputs_distinct,  # noqa: E402
                                            mark_returned_copies)

@@ -4,7 +4,7 @@ SGLang compiles ``model.forward`` with plain ``torch.compile`` (Inductor, the gl
 ``torch._inductor.config``). What the plugin sets there is tested on that layer: its three
 keys chained after the user's passes, the stock-Inductor clone-of-residual hazard (a
 ``residual.clone()`` of an input a fused op mutates) returned as a copy, and the held-out
-communicator-style decoder (tests/communicator.py) compiled whole by plain
+communicator-style decoder (models/communicator.py) compiled whole by plain
 ``torch.compile`` equal to the uncompiled model, its cat rewritten into a packed buffer.
 """
 
@@ -22,7 +22,7 @@ import torch._inductor.config as ic  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import communicator  # noqa: E402
+import models.communicator as communicator  # noqa: E402
 
 from compile_pass.inductor_pass import (AuxCapturePass, CaptureTwinsPass,  # noqa: E402
                                         DistinctOutputsPass, ReturnedCopiesPass, _ChainedPass)

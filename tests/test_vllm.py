@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from compile_pass import measure_peak  # noqa: E402
 from compile_pass.integrations import vllm as plugin  # noqa: E402
-from compile_pass.integrations import vllm_harness as H  # noqa: E402
+import models.vllm_style as H  # noqa: E402
 
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 CAPTURES = (1, 3, 5, 6, 7)

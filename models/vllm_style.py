@@ -1,5 +1,5 @@
 """Decoders built the way vLLM builds models, compiled by vLLM 0.33.0's own stack on the CPU
-(tests/test_vllm.py, benchmarks/vllm_capture.py). Not imported by the plugin.
+(tests/test_vllm.py, benchmarks/vllm_capture.py; models/ is used from the repo).
 
 ``build(style, backend, ...)`` returns a ``@support_torch_compile`` decoder made under a
 ``VllmConfig(CompilationConfig(mode=VLLM_COMPILE, splitting_ops=[attention op],
@@ -19,6 +19,8 @@ from typing import Any, Callable, List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models import communicator
 
 ATTENTION_OP = "cp_vllm_test::attention"
 
@@ -48,16 +50,9 @@ def stub_vllm_c_ops() -> List[str]:
     return missing
 
 
-@torch.library.custom_op("cp_vllm_test::fused_add_rmsnorm_", mutates_args=("hidden", "residual"))
-def fused_add_rmsnorm_(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
-    residual.add_(hidden)
-    variance = residual.pow(2).mean(-1, keepdim=True)
-    hidden.copy_(residual * torch.rsqrt(variance + 1e-6) * weight)
-
-
-@fused_add_rmsnorm_.register_fake
-def _(hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
-    return None
+# the in-place fused add-RMSNorm (residual += hidden; hidden = rmsnorm(residual) * w), shared
+# with the communicator decoder
+fused_add_rmsnorm_ = communicator.fused_add_rmsnorm_
 
 
 @torch.library.custom_op("cp_vllm_test::attention", mutates_args=())
@@ -123,7 +118,7 @@ class VllmStyleDecoder(nn.Module):
 
     @staticmethod
     def _fused_norm(hidden, residual, weight):
-        torch.ops.cp_vllm_test.fused_add_rmsnorm_(hidden, residual, weight)
+        torch.ops.comm_test.fused_add_rmsnorm_(hidden, residual, weight)
         return hidden, residual
 
     @staticmethod
