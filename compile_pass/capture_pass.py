@@ -206,6 +206,13 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
                      "formula here; under autograd use inner aot_eager or inductor (rewritten "
                      "after AOTAutograd), or capture under torch.no_grad()")
         return False
+    written_input = _input_written_in_graph(group, state.table) if target.lift else None
+    if written_input is not None:
+        group.reject(f"capture {written_input} is a graph input the graph writes in place: stock "
+                     f"Inductor can lose the write-back of such an input when a mutating op later "
+                     f"overwrites its source, and only the list path's concat happens to hide it "
+                     f"(docs/overview.md, fuzz seed 2); left to the list path")
+        return False
     if target.lift and group.depth_span < LAYER_DEPTH:
         group.reject(f"its values are {group.depth_span} matmul(s) apart, within one layer "
                      f"(MLA's k = [k_nope, k_rope]): the model's own concat, left to Inductor, "
@@ -274,6 +281,19 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
                          "caller, outside Inductor's memory plan, which the list path's concat "
                          "buffer changes")
     return True
+
+
+def _input_written_in_graph(group: CaptureGroup, table: NodeTable) -> Optional[str]:
+    """The name of a capture that is a graph input written in place by the graph, if any."""
+    for capture in group.captures:
+        node = capture.node
+        if node.op != "placeholder":
+            continue
+        key = table.key.get(node)
+        holders = table.holders.get(key, [node]) if key is not None else [node]
+        if any(table.mutators.get(alias) for alias in holders):
+            return node.name
+    return None
 
 
 def _lifted_buffer_cannot_pay(state: _GraphState, group: CaptureGroup) -> bool:

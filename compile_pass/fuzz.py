@@ -996,7 +996,8 @@ def _compare_inductor(result: CaseResult, module: nn.Module, inputs: Sequence[to
                                            inductor_options, spec.backend_options)
     finally:
         module.returns_captures = True
-    result.list_changes_model = _difference(ref_out[:1], nc_out, "") is not None
+    result.list_changes_model = _difference(ref_out[:1], nc_out, "") is not None \
+        or _difference(ref_args, nc_args, "") is not None
     model_diff = _difference(out[:1], nc_out, "model output (vs the build without captures)") \
         or _difference(args, nc_args, "input after run (vs the build without captures)")
     if model_diff is not None:
