@@ -40,7 +40,7 @@ INNERS = ("eager", "aot_eager")
 #: merged the two returned values into one); 2: a captured graph input written in place,
 #: which stock Inductor can lose (the group is left to the list path: test below);
 #: 4: communicator style, split (the residual's clone returned across pieces)
-INDUCTOR_SEEDS = (2, 4, 34, 46, 49, 303)
+INDUCTOR_SEEDS = (2, 4, 34, 46, 49, 179, 227, 303)
 INDUCTOR_EVERY = 50
 #: seeds run with one backend knob forced on (``CaseSpec.with_knobs``), eager and aot_eager:
 #: return_list: 2 and 23 rewrite their output group, 0 rejects it (a returned view), 3
@@ -53,7 +53,14 @@ FORCED_SEEDS = {"return_list": (0, 2, 3, 23), "split": (2, 11)}
 #: (seed, inner) -> reason: outputs not bitwise equal (or compile failure). Empty: the bugs the
 #: fixed sample found (packet targets, torch.concatenate(axis=), hoisting before a buffer's
 #: writes or among placeholders) are fixed; the seeds stay in the sample as regressions.
-KNOWN_BITWISE: Dict[Tuple[int, str], str] = {}
+KNOWN_BITWISE: Dict[Tuple[int, str], str] = {
+    (179, "inductor"): "open: a second concat over a slice of the packed result, captures of a "
+                       "graph input and a residual clone, fused in-place residual: its values differ "
+                       "from eager's by up to 0.98 with the pass (found this session, not yet fixed)",
+    (227, "inductor"): "open: the same shape (second concat over a slice of the packed result, "
+                       "graph-input captures, fused residual): packed result off by up to 1.2; "
+                       "wrong at the previous session's code too",
+}
 
 #: (seed, inner) -> reason: the pass raised (contained) or reported facts contradicting the spec
 KNOWN_UNHEALTHY: Dict[Tuple[int, str], str] = {}
