@@ -20,9 +20,10 @@ user's own post-grad pre and post passes keep running: ours are chained after th
 
 With ``split_ops`` the pass runs on the whole Dynamo graph (custom-op writes) and each
 piece goes to the inner; Inductor pieces get ``PieceWritesPass`` and take their inputs
-boxed (``piecewise.PieceRunner``). Every Inductor graph, the pass on or off, ends with
-``DistinctOutputsPass``: Inductor would otherwise return a mutated residual itself for its
-``clone()`` (a piece's input that the next piece mutates; ``distinct_outputs.py``).
+boxed (``piecewise.PieceRunner``). Every Inductor graph, the pass on or off, gets
+``ReturnedCopiesPass`` (joint graph) and ends with ``DistinctOutputsPass``: Inductor would
+otherwise return a mutated residual itself for its ``clone()`` (a piece's input that the
+next piece mutates; ``distinct_outputs.py``).
 
 ``options={"rewrite": False}`` compiles exactly the same way with the pass off.
 

@@ -260,9 +260,8 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
     worse = after > before + slack if slack or outputs else after >= before
     if worse and cost_model:
         fused = [c for c in group.captures if inductor_computes_into(c.node, state.table)]
-        why = f"estimated peak would not drop ({_mib(before)} -> {_mib(after)})" if not slack and not outputs \
-            else f"estimated peak would rise ({_mib(before)} -> {_mib(after)})" if not slack \
-            else f"estimated peak would rise by more than one capture ({_mib(before)} -> {_mib(after)})"
+        change = "rise by more than one capture" if slack else "rise" if outputs else "not drop"
+        why = f"estimated peak would {change} ({_mib(before)} -> {_mib(after)})"
         if target.inductor_cost and fused:
             why += (f"; Inductor already computes {len(fused)} of {group.k} captures straight "
                     f"into the concat output")
