@@ -21,8 +21,15 @@ __all__ = ["write_slice_", "binary_into_slice_", "BINARY_OPS"]
 #: the correctly rounded binary ops ``binary_into_slice_`` computes (aten op names)
 BINARY_OPS = ("add", "sub", "mul", "div")
 
+#: ``flexible_layout``: the writes read their sources with any strides, so Inductor realizes
+#: a source where it is computed instead of copying it to the strides traced (its default
+#: for custom ops). The copy is what breaks a compile: the source's other readers keep an
+#: unrealized expression over its inputs and, after a later in-place op writes those inputs
+#: (a fused add-norm), recompute it from the written values (docs/piecewise.md section 5).
+_TAGS = (torch._C.Tag.flexible_layout,)
 
-@torch.library.custom_op("compile_pass::write_slice_", mutates_args=("buf",))
+
+@torch.library.custom_op("compile_pass::write_slice_", mutates_args=("buf",), tags=_TAGS)
 def write_slice_(buf: torch.Tensor, src: torch.Tensor, dim: int, start: int) -> None:
     """Copy ``src`` into ``buf[..., start:start+src.size(dim), ...]`` along ``dim``, in place."""
     buf.narrow(dim, start, src.size(dim)).copy_(src)
@@ -33,7 +40,7 @@ def _write_slice_fake(buf: torch.Tensor, src: torch.Tensor, dim: int, start: int
     return None
 
 
-@torch.library.custom_op("compile_pass::binary_into_slice_", mutates_args=("buf",))
+@torch.library.custom_op("compile_pass::binary_into_slice_", mutates_args=("buf",), tags=_TAGS)
 def binary_into_slice_(buf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str, dim: int,
                        start: int) -> None:
     """``buf.narrow(dim, start, w) = op(a, b)``, computed straight into the slice (``out=``):
