@@ -1022,7 +1022,7 @@ def _compare_inductor(result: CaseResult, module: nn.Module, inputs: Sequence[to
             eager_out = tuple(module(*eager_args))
             # the list build is wrong where its captures or the inputs it mutates are further
             # from eager's than Inductor's rounding (a stock Inductor bug: docs/piecewise.md
-            # section 5); the pass must then be within that rounding of eager's in both
+            # section 6); the pass must then be within that rounding of eager's in both
             def off_eager(o: Sequence[Any], a: Sequence[Any]) -> Optional[str]:
                 return _close_to_uncompiled(o[1:], a, eager_out[1:], eager_args, spec.torch_dtype,
                                             spec.tokens)

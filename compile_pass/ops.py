@@ -25,7 +25,7 @@ BINARY_OPS = ("add", "sub", "mul", "div")
 #: a source where it is computed instead of copying it to the strides traced (its default
 #: for custom ops). The copy is what breaks a compile: the source's other readers keep an
 #: unrealized expression over its inputs and, after a later in-place op writes those inputs
-#: (a fused add-norm), recompute it from the written values (docs/piecewise.md section 5).
+#: (a fused add-norm), recompute it from the written values (docs/piecewise.md section 6).
 _TAGS = (torch._C.Tag.flexible_layout,)
 
 

@@ -235,7 +235,7 @@ def _no_grad():
 @pytest.mark.inductor
 def test_inductor_list_build_wrong_the_pass_right() -> None:
     """Seed 227: stock Inductor recomputes a capture inlined into the residual after the fused
-    op writes its input (docs/piecewise.md section 5): the list build is off, the pass's
+    op writes its input (docs/piecewise.md section 6): the list build is off, the pass's
     captures are within ``UNCOMPILED_TOLERANCE`` of eager's."""
     result = _result(227, "inductor")
     assert result.ok, result.describe()

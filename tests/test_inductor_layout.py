@@ -1,6 +1,6 @@
 """Inductor and in-place ops around the pass's slice writes.
 
-Two stock-Inductor hazards (docs/piecewise.md section 5), both with a custom op that writes
+Two stock-Inductor hazards (docs/piecewise.md section 6), both with a custom op that writes
 its inputs in place (a fused add-RMSNorm) after a value computed from them:
 
 - a custom op's inputs are copied to the strides traced (its default layout constraint); the
