@@ -41,9 +41,10 @@ INNERS = ("eager", "aot_eager")
 #: which stock Inductor can lose (the group is left to the list path: test below);
 #: 4: communicator style, split (the residual's clone returned across pieces); 179, 263: an
 #: Inductor copy of a write's source for the custom op's strides (fixed: flexible_layout);
-#: 227: the list build itself wrong, stock Inductor (reference_wrong); 266: rounding of a GEMM
-#: by output layout (KNOWN_BITWISE)
-INDUCTOR_SEEDS = (2, 4, 34, 46, 49, 179, 227, 263, 266, 303)
+#: 227: the list build itself wrong, stock Inductor (reference_wrong); 266: the list build's
+#: GEMM computed into the concat's strided slice rounds by layout (gemm_layout_rounding; 37:
+#: the same with an addmm capture concatenated twice)
+INDUCTOR_SEEDS = (2, 4, 34, 37, 46, 49, 179, 227, 263, 266, 303)
 INDUCTOR_EVERY = 50
 #: seeds run with one backend knob forced on (``CaseSpec.with_knobs``), eager and aot_eager:
 #: return_list: 2 and 23 rewrite their output group, 0 rejects it (a returned view), 3
@@ -56,12 +57,7 @@ FORCED_SEEDS = {"return_list": (0, 2, 3, 23), "split": (2, 11)}
 #: (seed, inner) -> reason: outputs not bitwise equal (or compile failure). Empty: the bugs the
 #: fixed sample found (packet targets, torch.concatenate(axis=), hoisting before a buffer's
 #: writes or among placeholders) are fixed; the seeds stay in the sample as regressions.
-KNOWN_BITWISE: Dict[Tuple[int, str], str] = {
-    (266, "inductor"): "open, rounding only: the list build lets Inductor's extern mm write "
-                       "the shared mm capture straight into the concat's strided slice, and the "
-                       "GEMM rounds by output layout (2.4e-7 fp32); the pass's mm is contiguous, "
-                       "as eager computes it, and copied: both within UNCOMPILED_TOLERANCE of eager",
-}
+KNOWN_BITWISE: Dict[Tuple[int, str], str] = {}
 
 #: (seed, inner) -> reason: the pass raised (contained) or reported facts contradicting the spec
 KNOWN_UNHEALTHY: Dict[Tuple[int, str], str] = {}
@@ -240,3 +236,27 @@ def test_inductor_list_build_wrong_the_pass_right() -> None:
     result = _result(227, "inductor")
     assert result.ok, result.describe()
     assert result.reference_wrong, result.describe()
+
+
+@pytest.mark.inductor
+def test_inductor_gemm_capture_rounds_as_outside_the_concat() -> None:
+    """Seed 266: stock Inductor computes two ``mm`` captures straight into the concat's
+    strided slice (``extern_kernels.mm(out=slice)``) and the GEMM rounds by output layout;
+    the pass's GEMMs are contiguous. The captures equal, bit for bit, the list build whose
+    GEMMs are copied into the concat (``CopyGemmsIntoConcats``), and not the stock list
+    build's: without that reference the case would be a mismatch."""
+    from compile_pass.fuzz import _compiled_run, _compare, _gemms_copied_run, _packed_outputs, build_case
+
+    result = _result(266, "inductor")
+    assert result.ok, result.describe()
+    assert result.gemm_layout_rounding is not None and 0 < result.gemm_layout_rounding < 1e-5, \
+        result.describe()
+    spec = random_spec(266)
+    module, inputs = build_case(spec)
+    packed = tuple(i - 1 for i in _packed_outputs(spec))
+    with torch.no_grad():
+        out, args, _ = _compiled_run(module, inputs, "inductor", True, False)
+        stock, stock_args, _ = _compiled_run(module, inputs, "inductor", False, False)
+        copied, copied_args = _gemms_copied_run(module, inputs, False, None, spec.backend_options)
+    assert _compare(out[1:], args, copied, copied_args, packed) is None
+    assert _compare(out[1:], args, stock[1:], stock_args, packed) is not None
