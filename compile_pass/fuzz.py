@@ -16,10 +16,11 @@ compares outputs, and any inputs the module mutates, bitwise with:
   that build with capture twins merged (``CaptureTwinsPass``: the captures read the model's
   own values, whose ``addmm`` may round differently from the list build's ``mm`` + ``add``;
   counted as ``twin_rounding`` with the largest difference), or against that build with
-  every GEMM a concat reads copied into it (``CopyGemmsIntoConcats``: stock Inductor
-  computes such a ``mm`` / ``addmm`` straight into the concat's strided slice and the GEMM
-  can round by output layout; the pass's GEMM is contiguous as without captures; counted as
-  ``gemm_layout_rounding``). Every Inductor compile runs
+  every concat input computed in a kernel of its own (``RealizeConcatInputs``), as the
+  pass's writes read them: stock Inductor computes a ``mm`` / ``addmm`` input straight into
+  the concat's slice and inlines a pointwise input into the concat's kernel, and either can
+  round differently on CPU (GEMM output layout; a ``tanh`` on the scalar instead of the vector
+  path); counted as ``own_kernel_rounding``). Every Inductor compile runs
   with ``emulate_precision_casts=True`` (``INDUCTOR_OPTIONS``): by default Inductor keeps
   fused fp16/bf16 intermediates in fp32, and the rewrite, which materializes captures for
   ``write_slice_``, changes fusion and so the last bits of low-precision outputs
@@ -778,11 +779,11 @@ class CaseResult:
     #: inductor: the captures differ from the list build's only as the list build with
     #: capture twins merged computes them (fused vs unfused add): their largest difference
     twin_rounding: Optional[float] = None
-    #: inductor: the captures differ from the list build's only as a list build whose
-    #: matmul captures are copied into the concat computes them (stock Inductor computes a
-    #: 2-D GEMM straight into the concat's strided slice, and the GEMM rounds by output
-    #: layout; the pass's GEMM is contiguous, as without captures): their largest difference
-    gemm_layout_rounding: Optional[float] = None
+    #: inductor: the captures differ from the list build's only as a list build whose concat
+    #: inputs are computed in kernels of their own computes them (``RealizeConcatInputs``:
+    #: stock Inductor computes a GEMM into the concat's slice or a pointwise input inside
+    #: the concat's kernel, which can round differently): their largest difference
+    own_kernel_rounding: Optional[float] = None
     #: inductor: the list build (pass off) changes the model's own output, vs no captures
     list_changes_model: bool = False
     #: inductor: ... and the pass keeps the list build's output (a capture Inductor would
@@ -806,9 +807,9 @@ class CaseResult:
     def describe(self) -> str:
         status = "ok" if self.ok else ("COMPILE FAILURE" if self.compile_error else "MISMATCH")
         notes = [n for n, on in (("list build wrong vs eager, the pass right", self.reference_wrong),
-                                 ("GEMM captures rounded as outside the concat, the list build's "
-                                  "GEMM computed into its strided slice",
-                                  self.gemm_layout_rounding is not None),
+                                 ("captures rounded as computed outside the concat, the list "
+                                  "build computes them into it",
+                                  self.own_kernel_rounding is not None),
                                  ("model output as the list build's (a capture Inductor would fuse away)",
                                   self.model_as_list)) if on]
         if notes:
@@ -882,14 +883,15 @@ def _clone_inputs(inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 
-class CopyGemmsIntoConcats(CustomGraphPass):
-    """Inductor post-grad pre pass of an oracle build: every ``mm`` / ``addmm`` a concat
-    reads goes through an exact ``mul(x, 1)`` first, so Inductor computes the GEMM into a
-    buffer of its own and copies it into the concat (stock Inductor computes a concat's
-    GEMM input straight into the concat's strided slice, ``extern_kernels.mm(out=slice)``,
-    and a GEMM can round by output layout). ``then``: a pass run first (twins merged)."""
-
-    GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+class RealizeConcatInputs(CustomGraphPass):
+    """Inductor post-grad pre pass of an oracle build: every computed tensor a concat reads
+    goes through ``cp_fuzz::barrier`` (an opaque ``clone``) first, so Inductor computes it in
+    a kernel of its own and copies it into the concat, as it does for a value the pass's
+    ``write_slice_`` reads. Stock Inductor instead computes a concat's ``mm`` / ``addmm``
+    input straight into the concat's slice (``extern_kernels.mm(out=slice)``: the GEMM
+    rounds by output layout and alignment) and inlines a pointwise input into the concat's
+    kernel (where a transcendental such as ``tanh`` can take the scalar rather than the
+    vector path): both can change the last bit on CPU. ``then``: a pass run first."""
 
     def __init__(self, then: Optional[Any] = None) -> None:
         self.then = then
@@ -897,41 +899,43 @@ class CopyGemmsIntoConcats(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.then is not None:
             self.then(graph)
+        barrier = torch.ops.cp_fuzz.barrier.default
         for cat in list(graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)):
             inputs = list(cat.args[0])
             for j, value in enumerate(inputs):
-                if isinstance(value, torch.fx.Node) and value.target in self.GEMMS:
-                    with graph.inserting_before(cat):
-                        copied = graph.call_function(torch.ops.aten.mul.Tensor, (value, 1))
-                    copied.meta["val"] = value.meta.get("val")
-                    inputs[j] = copied
+                val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+                if value is None or value.op != "call_function" or not isinstance(val, torch.Tensor):
+                    continue
+                with graph.inserting_before(cat):
+                    realized = graph.call_function(barrier, (value,))
+                realized.meta["val"] = torch.empty_like(val)
+                inputs[j] = realized
             cat.args = (inputs, *cat.args[1:])
 
     def uuid(self) -> str:
-        return f"copy_gemms_into_concats:{self.then.uuid() if self.then is not None else ''}"
+        return f"realize_concat_inputs:{self.then.uuid() if self.then is not None else ''}"
 
 
 def _compiled_run(module: nn.Module, inputs: Sequence[torch.Tensor], inner: str, rewrite: bool,
                   cost_model: bool, inductor_options: Optional[Dict[str, Any]] = None,
                   backend_options: Optional[Dict[str, Any]] = None, twins_only: bool = False,
-                  gemms_copied: bool = False):
+                  inputs_realized: bool = False):
     """(outputs, inputs after the run, backend) of one fresh compile; raises what it raises.
 
     ``backend_options``: ``pack_outputs`` / ``split_ops`` (``CaseSpec.backend_options``).
     ``twins_only`` (inductor, ``rewrite=False``): Inductor merges capture twins
     (``CaptureTwinsPass``) but nothing is rewritten: the captures as the rewrite computes them.
-    ``gemms_copied`` (inductor, ``rewrite=False``, with ``twins_only``): every matmul a
-    concat reads is copied into it (``CopyGemmsIntoConcats``) instead of computed into its
-    strided slice: the GEMMs round as without the concat."""
+    ``inputs_realized`` (inductor, ``rewrite=False``, with ``twins_only``): every computed
+    concat input is computed in a kernel of its own and copied (``RealizeConcatInputs``)."""
     runs, backend, _ = _compiled_runs(module, [inputs], inner, rewrite, cost_model, inductor_options,
-                                      backend_options, twins_only, gemms_copied=gemms_copied)
+                                      backend_options, twins_only, inputs_realized=inputs_realized)
     return runs[0][0], runs[0][1], backend
 
 
 def _compiled_runs(module: nn.Module, input_sets: Sequence[Sequence[torch.Tensor]], inner: str,
                    rewrite: bool, cost_model: bool, inductor_options: Optional[Dict[str, Any]] = None,
                    backend_options: Optional[Dict[str, Any]] = None, twins_only: bool = False,
-                   token_dim: int = 0, gemms_copied: bool = False):
+                   token_dim: int = 0, inputs_realized: bool = False):
     """One fresh compile run on each of ``input_sets``: ([(outputs, inputs after), ...],
     backend, recompiles). With more than one set the first set's token dim (``token_dim`` of
     every input) is marked dynamic, so one graph can serve every count; ``recompiles``
@@ -943,9 +947,9 @@ def _compiled_runs(module: nn.Module, input_sets: Sequence[Sequence[torch.Tensor
         from compile_pass.inductor_pass import CaptureTwinsPass
 
         options["post_grad_custom_pre_pass"] = CaptureTwinsPass()
-    if gemms_copied:
+    if inputs_realized:
         twins = options.get("post_grad_custom_pre_pass")
-        options["post_grad_custom_pre_pass"] = CopyGemmsIntoConcats(twins)
+        options["post_grad_custom_pre_pass"] = RealizeConcatInputs(twins)
     backend = aux_capture_backend(inner, rewrite=rewrite, cost_model=cost_model,
                                   **(backend_options or {}), **options)
     _LAST_BACKEND[:] = [backend]
@@ -1036,8 +1040,9 @@ def _compare_inductor(result: CaseResult, module: nn.Module, inputs: Sequence[to
       ``model_as_list``, the pass changes nothing the list path did not;
     - the captures equal the list build's, or, where they do not, the list build's with
       capture twins merged (``result.twin_rounding`` records how far the list build's are:
-      a fused vs unfused add), or the list build's with every GEMM a concat reads copied into
-      it (``result.gemm_layout_rounding``: the GEMM rounds by output layout), or eager's where the list build is itself wrong
+      a fused vs unfused add), or the list build's with every concat input computed in a
+      kernel of its own (``result.own_kernel_rounding``), or eager's where the list build is
+      itself wrong
       (``result.reference_wrong``: Inductor without the pass is further from eager than
       ``UNCOMPILED_TOLERANCE``, the pass within it);
     - outputs share storage only as the reference's do (and returned captures)."""
@@ -1066,9 +1071,9 @@ def _compare_inductor(result: CaseResult, module: nn.Module, inputs: Sequence[to
                                                twins_only=True)
         if _compare(out[1:], args, twin_out[1:], twin_args, packed) is None:
             result.twin_rounding = _largest_difference(out[1:], ref_out[1:])
-        elif _compare(out[1:], args, *_gemms_copied_run(module, inputs, cost_model, inductor_options,
+        elif _compare(out[1:], args, *_inputs_realized_run(module, inputs, cost_model, inductor_options,
                                                         spec.backend_options), packed) is None:
-            result.gemm_layout_rounding = _largest_difference(out[1:], ref_out[1:])
+            result.own_kernel_rounding = _largest_difference(out[1:], ref_out[1:])
         else:
             eager_args = _clone_inputs(inputs)
             eager_out = tuple(module(*eager_args))
@@ -1094,13 +1099,13 @@ def _largest_difference(got: Sequence[Any], ref: Sequence[Any]) -> float:
                 for a, b in zip(got, ref) if isinstance(a, torch.Tensor)), default=0.0)
 
 
-def _gemms_copied_run(module: nn.Module, inputs: Sequence[torch.Tensor], cost_model: bool,
+def _inputs_realized_run(module: nn.Module, inputs: Sequence[torch.Tensor], cost_model: bool,
                       inductor_options: Optional[Dict[str, Any]],
                       backend_options: Optional[Dict[str, Any]]) -> Tuple[Sequence[Any], Sequence[Any]]:
-    """(captures, inputs after the run) of the list build with twins merged and every GEMM a
-    concat reads copied into it (``CopyGemmsIntoConcats``)."""
+    """(captures, inputs after the run) of the list build with twins merged and every
+    concat input computed in a kernel of its own (``RealizeConcatInputs``)."""
     out, args, _ = _compiled_run(module, inputs, "inductor", False, cost_model, inductor_options,
-                                 backend_options, twins_only=True, gemms_copied=True)
+                                 backend_options, twins_only=True, inputs_realized=True)
     return out[1:], args
 
 
@@ -1178,8 +1183,8 @@ def run_case(spec: CaseSpec, inner: str, cost_model: bool = False,
                                      cost_model, inductor_options)
             # every count: vs the uncompiled module within Inductor's rounding; the extra
             # counts also bitwise vs the list build, unless the first count already showed
-            # the list build rounding (twins, GEMM layout) or wrong (reference_wrong) there
-            exact = result.twin_rounding is None and result.gemm_layout_rounding is None \
+            # the list build rounding (twins, concat kernels) or wrong (reference_wrong) there
+            exact = result.twin_rounding is None and result.own_kernel_rounding is None \
                 and not result.reference_wrong
             for n, ((o, a), (eo, ea)) in enumerate(zip(runs, eager_runs)):
                 tokens = result.token_counts[n]
@@ -1275,8 +1280,8 @@ def fuzz(n: int, inners: Sequence[str], start_seed: int = 0, inductor_every: int
                                                      groups_rewritten=0, groups_rejected=0,
                                                      outputs_rewritten=0, outputs_rejected=0,
                                                      pass_errors=0, anomalies=0, twin_rounding=0,
-                                                     twin_rounding_max=0.0, gemm_layout_rounding=0,
-                                                     gemm_layout_rounding_max=0.0, list_changes_model=0,
+                                                     twin_rounding_max=0.0, own_kernel_rounding=0,
+                                                     own_kernel_rounding_max=0.0, list_changes_model=0,
                                                      model_as_list=0, reference_wrong=0,
                                                      token_counts_run=0, recompiles=0))
             try:
@@ -1296,10 +1301,10 @@ def fuzz(n: int, inners: Sequence[str], start_seed: int = 0, inductor_every: int
             if r.twin_rounding is not None:
                 stats["twin_rounding"] += 1
                 stats["twin_rounding_max"] = max(stats["twin_rounding_max"], r.twin_rounding)
-            if r.gemm_layout_rounding is not None:
-                stats["gemm_layout_rounding"] += 1
-                stats["gemm_layout_rounding_max"] = max(stats["gemm_layout_rounding_max"],
-                                                        r.gemm_layout_rounding)
+            if r.own_kernel_rounding is not None:
+                stats["own_kernel_rounding"] += 1
+                stats["own_kernel_rounding_max"] = max(stats["own_kernel_rounding_max"],
+                                                        r.own_kernel_rounding)
                 details.append(r.describe())
             stats["list_changes_model"] += int(r.list_changes_model)
             stats["model_as_list"] += int(r.model_as_list)
@@ -1352,14 +1357,14 @@ def format_summary(summary: Dict[str, Any]) -> str:
                      f"anomalies={s['anomalies']} (output groups: "
                      f"rewritten={s['outputs_rewritten']} rejected={s['outputs_rejected']}) "
                      f"token counts run={s.get('token_counts_run', 0)} recompiles={s.get('recompiles', 0)}")
-        if s.get("twin_rounding") or s.get("gemm_layout_rounding") or s.get("list_changes_model") \
+        if s.get("twin_rounding") or s.get("own_kernel_rounding") or s.get("list_changes_model") \
                 or s.get("reference_wrong"):
             lines.append(f"  {'':10s} captures as the model computes them (twins merged) where "
                          f"the list build rounds differently: {s['twin_rounding']} cases, largest "
-                         f"difference {s['twin_rounding_max']:.3g}; GEMM captures as computed "
-                         f"outside the concat where the list build computes them into its strided "
-                         f"slice: {s.get('gemm_layout_rounding', 0)} cases, largest difference "
-                         f"{s.get('gemm_layout_rounding_max', 0.0):.3g}; list build (pass off) changes "
+                         f"difference {s['twin_rounding_max']:.3g}; captures as computed outside "
+                         f"the concat where the list build computes them into it: "
+                         f"{s.get('own_kernel_rounding', 0)} cases, largest difference "
+                         f"{s.get('own_kernel_rounding_max', 0.0):.3g}; list build (pass off) changes "
                          f"the model's own output: {s['list_changes_model']} cases, of which the "
                          f"pass keeps the list build's: {s['model_as_list']}; list build wrong vs "
                          f"eager, the pass right: {s['reference_wrong']}")

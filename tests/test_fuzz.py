@@ -41,10 +41,10 @@ INNERS = ("eager", "aot_eager")
 #: which stock Inductor can lose (the group is left to the list path: test below);
 #: 4: communicator style, split (the residual's clone returned across pieces); 179, 263: an
 #: Inductor copy of a write's source for the custom op's strides (fixed: flexible_layout);
-#: 227: the list build itself wrong, stock Inductor (reference_wrong); 266: the list build's
-#: GEMM computed into the concat's strided slice rounds by layout (gemm_layout_rounding; 37:
-#: the same with an addmm capture concatenated twice)
-INDUCTOR_SEEDS = (2, 4, 34, 37, 46, 49, 179, 227, 263, 266, 303)
+#: 227: the list build itself wrong, stock Inductor (reference_wrong); 266 and 37: the list
+#: build's GEMM computed into the concat's slice rounds by layout, 148: its tanh inlined into
+#: the concat's kernel rounds by vector path (own_kernel_rounding)
+INDUCTOR_SEEDS = (2, 4, 34, 37, 46, 49, 148, 179, 227, 263, 266, 303)
 INDUCTOR_EVERY = 50
 #: seeds run with one backend knob forced on (``CaseSpec.with_knobs``), eager and aot_eager:
 #: return_list: 2 and 23 rewrite their output group, 0 rejects it (a returned view), 3
@@ -239,24 +239,26 @@ def test_inductor_list_build_wrong_the_pass_right() -> None:
 
 
 @pytest.mark.inductor
-def test_inductor_gemm_capture_rounds_as_outside_the_concat() -> None:
+@pytest.mark.parametrize("seed", [266, 148])
+def test_inductor_captures_round_as_computed_outside_the_concat(seed) -> None:
     """Seed 266: stock Inductor computes two ``mm`` captures straight into the concat's
     strided slice (``extern_kernels.mm(out=slice)``) and the GEMM rounds by output layout;
-    the pass's GEMMs are contiguous. The captures equal, bit for bit, the list build whose
-    GEMMs are copied into the concat (``CopyGemmsIntoConcats``), and not the stock list
-    build's: without that reference the case would be a mismatch."""
-    from compile_pass.fuzz import _compiled_run, _compare, _gemms_copied_run, _packed_outputs, build_case
+    seed 148: it inlines a ``tanh`` capture into the concat's kernel, on another vector path.
+    The pass's captures are computed in kernels of their own: they equal, bit for bit, the
+    list build whose concat inputs are realized first (``RealizeConcatInputs``), and not the
+    stock list build's: without that reference the case would be a mismatch."""
+    from compile_pass.fuzz import _compare, _compiled_run, _inputs_realized_run, _packed_outputs, build_case
 
-    result = _result(266, "inductor")
+    result = _result(seed, "inductor")
     assert result.ok, result.describe()
-    assert result.gemm_layout_rounding is not None and 0 < result.gemm_layout_rounding < 1e-5, \
+    assert result.own_kernel_rounding is not None and 0 < result.own_kernel_rounding < 1e-5, \
         result.describe()
-    spec = random_spec(266)
+    spec = random_spec(seed)
     module, inputs = build_case(spec)
     packed = tuple(i - 1 for i in _packed_outputs(spec))
     with torch.no_grad():
         out, args, _ = _compiled_run(module, inputs, "inductor", True, False)
         stock, stock_args, _ = _compiled_run(module, inputs, "inductor", False, False)
-        copied, copied_args = _gemms_copied_run(module, inputs, False, None, spec.backend_options)
-    assert _compare(out[1:], args, copied, copied_args, packed) is None
+        realized, realized_args = _inputs_realized_run(module, inputs, False, None, spec.backend_options)
+    assert _compare(out[1:], args, realized, realized_args, packed) is None
     assert _compare(out[1:], args, stock[1:], stock_args, packed) is not None
