@@ -7,7 +7,7 @@ TORCH_PIN ?= torch==2.13.0
 HF_PIN    ?= transformers==5.24.0
 N         ?= 1000
 
-.PHONY: demo test compat vllm vllm-cpu sglang bench scale fuzz gpu-check gpu-dry-run clean
+.PHONY: demo test compat vllm vllm-cpu sglang specforge bench scale fuzz gpu-check gpu-dry-run clean
 
 $(VENV)/.installed-%: pyproject.toml
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -128,6 +128,29 @@ sglang:
 	"$$venv/bin/pip" install -q --no-deps -e . >/dev/null; \
 	echo "== sglang $(SGLANG_VERSION): tests/test_sglang*.py tests/test_specforge*.py"; \
 	"$$venv/bin/python" -m pytest -q -p no:cacheprovider $$(ls tests/test_sglang*.py tests/test_specforge*.py 2>/dev/null)
+
+# specforge: SpecForge 0.2.0 on its pinned sglang 0.5.14 (tests/test_specforge_pinned_sglang.py),
+# in $(COMPAT_DIR)/venv-sglang0.5.14, made once: both --no-deps, the 0.5.14-era transformers
+# and torchvision pins, the rest as for make sglang; torch 2.11.0 (0.5.14's pin) read from make
+# compat's venv through a .pth where that exists, else installed.
+SPECFORGE_VENV ?= $(COMPAT_DIR)/venv-sglang0.5.14
+SPECFORGE_DEPS ?= $(filter-out transformers==% torchvision==%,$(SGLANG_DEPS)) transformers==5.8.1 torchvision==0.26.0
+specforge:
+	@set -e; venv="$(SPECFORGE_VENV)"; torchvenv="$(COMPAT_DIR)/venv-torch2.11.0"; \
+	if [ ! -f "$$venv/.installed" ]; then \
+	  echo "== creating $$venv (sglang 0.5.14, specforge 0.2.0)"; \
+	  $(PY) -m venv "$$venv"; \
+	  sp=$$("$$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+	  if [ -f "$$torchvenv/.installed" ]; then \
+	    "$$torchvenv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$$sp/_torch_from_compat.pth"; \
+	  else "$$venv/bin/pip" install -q "torch==2.11.0"; fi; \
+	  "$$venv/bin/pip" install -q --no-deps "sglang==0.5.14" "specforge==0.2.0"; \
+	  "$$venv/bin/pip" install -q $(SPECFORGE_DEPS); \
+	  touch "$$venv/.installed"; \
+	fi; \
+	"$$venv/bin/pip" install -q --no-deps -e . >/dev/null; \
+	echo "== specforge 0.2.0 on sglang 0.5.14: tests/test_specforge_pinned_sglang.py"; \
+	"$$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_specforge_pinned_sglang.py
 # sglang: END
 
 bench: $(VENV)/.installed-test

@@ -44,6 +44,11 @@ def test_backend_does_not_run_sglangs_plugin_loader():
 
 
 def test_specforge_backend_pins_an_older_sglang():
-    """On sglang 0.5.23 its backend's import fails (it was written for 0.5.14)."""
+    """On sglang 0.5.23 its backend's import fails (it was written for 0.5.14; on 0.5.14,
+    ``make specforge``, tests/test_specforge_pinned_sglang.py runs it)."""
+    import sglang
+
+    if sglang.__version__ == "0.5.14":
+        pytest.skip("sglang 0.5.14: SpecForge's pin, its backend imports")
     with pytest.raises(ImportError):
         import specforge.offline_capture.sglang_backend.model_runner  # noqa: F401

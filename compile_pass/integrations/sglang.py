@@ -27,6 +27,11 @@ What it does (sglang 0.5.23, through SGLang's own ``HookRegistry``):
   pass then ``DistinctOutputsPass`` (post-grad post pass, last) and ``ReturnedCopiesPass``
   (joint-graph pre pass); see :func:`_set_compile_pass`.
 
+On an SGLang without ``AuxHiddenStateList`` (0.5.14, SpecForge 0.2.0's pin: each model
+appends to a plain ``[]`` in ``forward``) it installs the compiler way in instead
+(:mod:`compile_pass.integrations.sglang_compile`): the inner model compiled with the capture
+pass and ``pack_outputs`` on capturing extend batches, the logits processor's FULL pack a view.
+
 Inside a graph Dynamo traces (``--enable-torch-compile``), the list and the pack are SGLang's
 (``super()`` calls, which Dynamo traces like SGLang's class; the pack hands SGLang's cat a plain
 list, so the cat is in the graph for the capture pass instead of a graph break).
@@ -65,7 +70,7 @@ _num_captures: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
     "compile_pass_sglang_k", default=None)
 
 #: what register() did: ``active``, ``reason`` (why not), originals kept at registration.
-STATE: dict = {"active": False, "reason": "not registered", "orig_list": None,
+STATE: dict = {"active": False, "reason": "not registered", "layout": None, "orig_list": None,
                "orig_pack": None, "fallbacks": 0, "packed": 0, "inductor": {}}
 
 
@@ -245,9 +250,7 @@ def enable(*, registry: Any = None, apply: bool = True) -> bool:
             from sglang.srt.plugins.hook_registry import HookRegistry as registry  # noqa: N813
         from sglang.srt.plugins.hook_registry import HookType
     except Exception as e:
-        STATE["reason"] = f"SGLang layout not as expected: {e!r}"
-        _warn(STATE["reason"] + "; SGLang runs without the plugin")
-        return False
+        return _enable_plain_list_layout(registry, apply, e)
     orig_list = getattr(aux, "AuxHiddenStateList", None)
     orig_pack = getattr(aux, "pack_aux_hidden_states", None)
     problems = []
@@ -277,8 +280,37 @@ def enable(*, registry: Any = None, apply: bool = True) -> bool:
     if apply:
         registry.apply_hooks()
     _set_compile_pass()
-    STATE.update(active=True, reason="")
+    STATE.update(active=True, reason="", layout="AuxHiddenStateList: packed in place")
     logger.info("compile_pass SGLang plugin active: captures packed in place")
+    return True
+
+
+def _enable_plain_list_layout(registry: Any, apply: bool, why: BaseException) -> bool:
+    """SGLang without ``AuxHiddenStateList`` (0.5.14: a plain ``[]`` in each model's
+    ``forward``): the compiler way in (``sglang_compile``), where that SGLang has what it
+    needs; else a warning naming what is missing, nothing registered."""
+    from compile_pass.integrations import sglang_compile
+
+    missing = sglang_compile.layout_present()
+    if missing is not None:
+        STATE["reason"] = (f"SGLang layout not as expected: {why!r}, and no plain-list layout "
+                           f"either ({missing})")
+        _warn(STATE["reason"] + "; SGLang runs without the plugin")
+        return False
+    try:
+        if registry is None:
+            from sglang.srt.plugins.hook_registry import HookRegistry as registry  # noqa: N813
+        from sglang.srt.plugins.hook_registry import HookType
+    except Exception as e:  # noqa: BLE001
+        STATE["reason"] = f"SGLang has no plugin HookRegistry ({e!r})"
+        _warn(STATE["reason"] + "; SGLang runs without the plugin")
+        return False
+    sglang_compile.register(registry, HookType)
+    if apply:
+        registry.apply_hooks()
+    STATE.update(active=True, reason="", layout="plain list: compiled inner model")
+    logger.info("compile_pass SGLang plugin active: plain-list layout, the inner model compiled "
+                "with the capture pass on capturing extend batches")
     return True
 
 
