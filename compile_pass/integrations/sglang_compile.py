@@ -19,7 +19,9 @@ swapped eagerly. What this module installs, through SGLang's own ``HookRegistry`
   whose captures are adjacent slices of one buffer, returns that buffer's view instead of
   SGLang's ``torch.cat`` copy (anything else: SGLang's own code).
 
-A compile or run that fails is a warning naming it; the model's eager ``forward`` is put
+Batches SGLang itself compiles or captures (its piecewise CUDA-graph prefill runner, which
+sets that context first) and decode batches run SGLang's own path. A compile or run that
+fails is a warning naming it; the model's eager ``forward`` is put
 back and the batch runs as without the plugin. The inner compiler is
 ``COMPILE_PASS_SGLANG_INNER`` (default ``inductor``; ``eager`` / ``aot_eager`` for a quick
 check); ``COMPILE_PASS_SGLANG_REWRITE=0`` compiles the same way with the pass off (an A/B). SGLang registers ``sglang::unified_attention_with_output`` for CUDA, NPU, XPU and
@@ -150,7 +152,10 @@ def _install(runner: Any) -> None:
     none_per_layer = [None] * len(attention)
 
     def forward(input_ids: Any, positions: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
-        if not forward_batch.forward_mode.is_extend():
+        if (not forward_batch.forward_mode.is_extend() or torch.compiler.is_compiling()
+                or context.get_tc_piecewise_forward_context() is not None):
+            # decode; or inside SGLang's own compiled / piecewise CUDA-graph prefill, whose
+            # context is set already: SGLang's path, untouched
             return eager_forward(input_ids, positions, forward_batch, *args, **kwargs)
         try:
             with context.set_tc_piecewise_forward_context(forward_batch, attention, quant_config,
