@@ -259,3 +259,27 @@ def test_runner_hook_sees_capture_layers_changed_after_first_forward():
     inner.layers_to_capture = [1, 2, 3]  # set_eagle3_layers_to_capture after a forward
     p._runner_forward(lambda self: seen.append(p._num_captures.get()), runner)
     assert seen == [None, 3]
+
+
+def test_runner_hook_warns_once_for_a_plain_list_model():
+    """A model whose file appends to a plain ``[]`` (gemma3_causal in 0.5.23) is named in a
+    warning on its first capturing forward, once per class; a covered model is not."""
+    from compile_pass.integrations import sglang as p
+
+    def runner_for(module_name):
+        inner = torch.nn.Module()
+        inner.layers_to_capture = [1, 2, 3]
+        outer = type("Model", (torch.nn.Module,), {"__module__": module_name})()
+        outer.model = inner
+        return types.SimpleNamespace(model=outer)
+
+    for module_name, expected in (("sglang.srt.models.gemma3_causal", 1), ("sglang.srt.models.llama", 0)):
+        runner = runner_for(module_name)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            p._runner_forward(lambda self: None, runner)
+            p._runner_forward(lambda self: None, runner)
+        named = [x for x in w if "plain []" in str(x.message)]
+        assert len(named) == expected, [str(x.message) for x in w]
+        if expected:
+            assert module_name in str(named[0].message)

@@ -187,8 +187,32 @@ def _find_k(model: Any) -> Optional[int]:
         return None
 
 
+_warned_plain_list: set = set()
+_plain_list_models: list = []
+
+
+def _warn_if_plain_list(model: Any, k: Optional[int]) -> None:
+    """Once per model class: a capturing model whose file appends to a plain ``[]`` (no
+    ``AuxHiddenStateList``) is not reached eagerly; say so, naming it."""
+    cls = type(model)
+    if not k or cls in _warned_plain_list:
+        return
+    _warned_plain_list.add(cls)
+    try:
+        if not _plain_list_models:
+            _plain_list_models.append(frozenset(covered_models()["plain list"]))
+    except Exception:  # noqa: BLE001 - the check is advice only
+        return
+    module = cls.__module__.rsplit(".", 1)[-1]
+    if module in _plain_list_models[0]:
+        _warn(f"{cls.__name__} ({cls.__module__}) appends its captures to a plain [] in forward: "
+              f"the plugin does not reach it eagerly, its captures are packed by SGLang's "
+              f"torch.cat as without the plugin")
+
+
 def _runner_forward(original_fn, self, *args, **kwargs):
     k = _find_k(getattr(self, "model", None))
+    _warn_if_plain_list(getattr(self, "model", None), k)
     token = _num_captures.set(k)
     try:
         return original_fn(self, *args, **kwargs)
