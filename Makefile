@@ -112,45 +112,39 @@ SGLANG_DEPS    ?= orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 
   aiohttp==3.14.5 transformers==5.25.0 torchvision==0.29.1 dill==0.4.1 apache-tvm-ffi==0.1.15.post2 \
   sentencepiece==0.2.3 compressed-tensors==0.20.1 gguf==0.19.0 openai==3.60.0 \
   partial-json-parser==0.2.1.1.post7 uvicorn==0.55.0 fastapi==0.165.0 einops==0.8.2 "pytest>=7"
+# $(call sglang_venv,VENV,TORCH_VERSION,SGLANG_VERSION,DEPS): VENV made once (sglang and
+# specforge 0.2.0 --no-deps, then DEPS; torch from make compat's venv-torchTORCH_VERSION
+# through a .pth where that exists, else installed), the checkout installed into it editable.
+define sglang_venv
+@set -e; venv="$(1)"; torchvenv="$(COMPAT_DIR)/venv-torch$(2)"; \
+if [ ! -f "$$venv/.installed" ]; then \
+  echo "== creating $$venv (sglang $(3), specforge 0.2.0)"; \
+  $(PY) -m venv "$$venv"; \
+  sp=$$("$$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
+  if [ -f "$$torchvenv/.installed" ]; then \
+    "$$torchvenv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$$sp/_torch_from_compat.pth"; \
+  else "$$venv/bin/pip" install -q "torch==$(2)"; fi; \
+  "$$venv/bin/pip" install -q --no-deps "sglang==$(3)" "specforge==0.2.0"; \
+  "$$venv/bin/pip" install -q $(4); \
+  touch "$$venv/.installed"; \
+fi; \
+"$$venv/bin/pip" install -q --no-deps -e . >/dev/null
+endef
+
 sglang:
-	@set -e; venv="$(SGLANG_VENV)"; torchvenv="$(COMPAT_DIR)/venv-torch2.14.1"; \
-	if [ ! -f "$$venv/.installed" ]; then \
-	  echo "== creating $$venv (sglang $(SGLANG_VERSION), specforge 0.2.0)"; \
-	  $(PY) -m venv "$$venv"; \
-	  sp=$$("$$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
-	  if [ -f "$$torchvenv/.installed" ]; then \
-	    "$$torchvenv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$$sp/_torch_from_compat.pth"; \
-	  else "$$venv/bin/pip" install -q "torch==2.14.1"; fi; \
-	  "$$venv/bin/pip" install -q --no-deps "sglang==$(SGLANG_VERSION)" "specforge==0.2.0"; \
-	  "$$venv/bin/pip" install -q $(SGLANG_DEPS); \
-	  touch "$$venv/.installed"; \
-	fi; \
-	"$$venv/bin/pip" install -q --no-deps -e . >/dev/null; \
-	echo "== sglang $(SGLANG_VERSION): tests/test_sglang*.py tests/test_specforge*.py"; \
-	"$$venv/bin/python" -m pytest -q -p no:cacheprovider $$(ls tests/test_sglang*.py tests/test_specforge*.py 2>/dev/null)
+	$(call sglang_venv,$(SGLANG_VENV),2.14.1,$(SGLANG_VERSION),$(SGLANG_DEPS))
+	@echo "== sglang $(SGLANG_VERSION): tests/test_sglang*.py tests/test_specforge*.py"
+	@"$(SGLANG_VENV)/bin/python" -m pytest -q -p no:cacheprovider $$(ls tests/test_sglang*.py tests/test_specforge*.py 2>/dev/null)
 
 # specforge: SpecForge 0.2.0 on its pinned sglang 0.5.14 (tests/test_specforge_pinned_sglang.py),
-# in $(COMPAT_DIR)/venv-sglang0.5.14, made once: both --no-deps, the 0.5.14-era transformers
-# and torchvision pins, the rest as for make sglang; torch 2.11.0 (0.5.14's pin) read from make
-# compat's venv through a .pth where that exists, else installed.
+# in $(COMPAT_DIR)/venv-sglang0.5.14, made once: the 0.5.14-era transformers and torchvision
+# pins, the rest as for make sglang; torch 2.11.0 (0.5.14's pin).
 SPECFORGE_VENV ?= $(COMPAT_DIR)/venv-sglang0.5.14
 SPECFORGE_DEPS ?= $(filter-out transformers==% torchvision==%,$(SGLANG_DEPS)) transformers==5.8.1 torchvision==0.26.0
 specforge:
-	@set -e; venv="$(SPECFORGE_VENV)"; torchvenv="$(COMPAT_DIR)/venv-torch2.11.0"; \
-	if [ ! -f "$$venv/.installed" ]; then \
-	  echo "== creating $$venv (sglang 0.5.14, specforge 0.2.0)"; \
-	  $(PY) -m venv "$$venv"; \
-	  sp=$$("$$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
-	  if [ -f "$$torchvenv/.installed" ]; then \
-	    "$$torchvenv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$$sp/_torch_from_compat.pth"; \
-	  else "$$venv/bin/pip" install -q "torch==2.11.0"; fi; \
-	  "$$venv/bin/pip" install -q --no-deps "sglang==0.5.14" "specforge==0.2.0"; \
-	  "$$venv/bin/pip" install -q $(SPECFORGE_DEPS); \
-	  touch "$$venv/.installed"; \
-	fi; \
-	"$$venv/bin/pip" install -q --no-deps -e . >/dev/null; \
-	echo "== specforge 0.2.0 on sglang 0.5.14: tests/test_specforge_pinned_sglang.py"; \
-	"$$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_specforge_pinned_sglang.py
+	$(call sglang_venv,$(SPECFORGE_VENV),2.11.0,0.5.14,$(SPECFORGE_DEPS))
+	@echo "== specforge 0.2.0 on sglang 0.5.14: tests/test_specforge_pinned_sglang.py"
+	@"$(SPECFORGE_VENV)/bin/python" -m pytest -q -p no:cacheprovider tests/test_specforge_pinned_sglang.py
 # sglang: END
 
 bench: $(VENV)/.installed-test

@@ -34,11 +34,11 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import warnings
 from typing import Any, Callable, List, Optional
 
 import torch
 
+from compile_pass.integrations.sglang import _warn
 from compile_pass.packer import pack_aux_hidden_states as _cp_pack
 
 __all__ = ["LOGITS_STORE", "RUNNER_FORWARD", "PIECEWISE_CONTEXT", "layout_present", "register",
@@ -56,11 +56,6 @@ PIECEWISE_CONTEXT = ("sglang.srt.model_executor.runner_backend_utils.tc_piecewis
 #: what the hooks did: ``compiled`` (inner models compiled), ``failed`` (fell back to eager,
 #: with the reason), ``packed`` (FULL packs returned as a view), ``inner``.
 STATE: dict = {"compiled": 0, "failed": [], "packed": 0, "inner": None, "rewrite": None}
-
-
-def _warn(msg: str) -> None:
-    warnings.warn(f"compile_pass SGLang plugin: {msg}", RuntimeWarning, stacklevel=3)
-    logger.warning(msg)
 
 
 def layout_present() -> Optional[str]:
