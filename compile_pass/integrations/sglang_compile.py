@@ -21,11 +21,11 @@ swapped eagerly. What this module installs, through SGLang's own ``HookRegistry`
 
 Batches SGLang itself compiles or captures (its piecewise CUDA-graph prefill runner, which
 sets that context first) and decode batches run SGLang's own path. A compile or run that
-fails is a warning naming it; the model's eager ``forward`` is put
-back and the batch runs as without the plugin. The inner compiler is
-``COMPILE_PASS_SGLANG_INNER`` (default ``inductor``; ``eager`` / ``aot_eager`` for a quick
-check); ``COMPILE_PASS_SGLANG_REWRITE=0`` compiles the same way with the pass off (an A/B). SGLang registers ``sglang::unified_attention_with_output`` for CUDA, NPU, XPU and
-MUSA only: on a CPU the op has no kernel, and the compiled forward fails over to eager with
+fails is a warning naming it; the model's eager ``forward`` is put back and the batch runs
+as without the plugin. The inner compiler is ``COMPILE_PASS_SGLANG_INNER`` (default
+``inductor``; ``eager`` / ``aot_eager`` for a quick check); ``COMPILE_PASS_SGLANG_REWRITE=0``
+compiles the same way with the pass off (an A/B). SGLang registers
+``sglang::unified_attention_with_output`` for CUDA, NPU, XPU and MUSA only: on a CPU the op has no kernel, and the compiled forward fails over to eager with
 a warning unless a CPU kernel is registered (the tests do it with SGLang's own function).
 """
 
@@ -63,11 +63,14 @@ def layout_present() -> Optional[str]:
     import importlib
 
     try:
+        from sglang.srt.layers import radix_attention
         from sglang.srt.layers.logits_processor import LogitsProcessor
 
         context = importlib.import_module(PIECEWISE_CONTEXT)
     except Exception as e:  # noqa: BLE001 - any other layout: say which
         return f"{e!r}"
+    if getattr(radix_attention, "unified_attention_with_output", None) is None:
+        return "sglang.srt.layers.radix_attention has no unified_attention_with_output"
     if not callable(getattr(LogitsProcessor, "_get_hidden_states_to_store", None)):
         return "LogitsProcessor._get_hidden_states_to_store is missing"
     if not callable(getattr(context, "set_tc_piecewise_forward_context", None)):
