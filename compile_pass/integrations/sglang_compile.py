@@ -38,7 +38,7 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from compile_pass.integrations.sglang import _warn
+from compile_pass.integrations.sglang import RUNNER_FORWARD, _warn
 from compile_pass.packer import pack_aux_hidden_states as _cp_pack
 
 __all__ = ["LOGITS_STORE", "RUNNER_FORWARD", "PIECEWISE_CONTEXT", "layout_present", "register",
@@ -48,7 +48,6 @@ logger = logging.getLogger("compile_pass.sglang")
 
 ENV_INNER = "COMPILE_PASS_SGLANG_INNER"
 ENV_REWRITE = "COMPILE_PASS_SGLANG_REWRITE"
-RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 LOGITS_STORE = "sglang.srt.layers.logits_processor.LogitsProcessor._get_hidden_states_to_store"
 PIECEWISE_CONTEXT = ("sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph."
                      "context_manager")
