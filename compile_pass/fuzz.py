@@ -97,7 +97,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from compile_pass.backend import aux_capture_backend
@@ -903,12 +902,12 @@ class RealizeConcatInputs(CustomGraphPass):
         for cat in list(graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)):
             inputs = list(cat.args[0])
             for j, value in enumerate(inputs):
-                val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
-                if value is None or value.op != "call_function" or not isinstance(val, torch.Tensor):
+                if not isinstance(value, torch.fx.Node) or value.op != "call_function" \
+                        or not isinstance(value.meta.get("val"), torch.Tensor):
                     continue
                 with graph.inserting_before(cat):
                     realized = graph.call_function(barrier, (value,))
-                realized.meta["val"] = torch.empty_like(val)
+                realized.meta["val"] = torch.empty_like(value.meta["val"])
                 inputs[j] = realized
             cat.args = (inputs, *cat.args[1:])
 
@@ -1109,8 +1108,8 @@ def _largest_difference(got: Sequence[Any], ref: Sequence[Any]) -> float:
 
 
 def _inputs_realized_run(module: nn.Module, inputs: Sequence[torch.Tensor], cost_model: bool,
-                      inductor_options: Optional[Dict[str, Any]],
-                      backend_options: Optional[Dict[str, Any]]) -> Tuple[Sequence[Any], Sequence[Any]]:
+                         inductor_options: Optional[Dict[str, Any]],
+                         backend_options: Optional[Dict[str, Any]]) -> Tuple[Sequence[Any], Sequence[Any]]:
     """(captures, inputs after the run) of the list build with twins merged and every
     concat input computed in a kernel of its own (``RealizeConcatInputs``)."""
     out, args, _ = _compiled_run(module, inputs, "inductor", False, cost_model, inductor_options,
