@@ -16,25 +16,10 @@ fresh compile. SGLang's own CPU graph runner cannot run here (it needs the ``int
 attention backend, whose kernels are ``sgl_kernel``'s CPU build; ``torch_native`` has no
 ``init_cpu_graph_state``), so the extend batch is the one compiled.
 """
-import os, sys, types, tempfile, importlib.abc, importlib.machinery
+import os, sys, tempfile
 os.environ["SGLANG_USE_CPU_ENGINE"]="1"
-class _Missing:
-    def __init__(self, name): self._n = name
-    def __getattr__(self, n):
-        if n.startswith("__"): raise AttributeError(n)
-        return _Missing(f"{self._n}.{n}")
-    def __call__(self, *a, **k): raise NotImplementedError(f"sgl_kernel stand-in: {self._n}")
-class _Stub(types.ModuleType):
-    def __getattr__(self, n):
-        if n.startswith("__"): raise AttributeError(n)
-        return _Missing(f"{self.__name__}.{n}")
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path, target=None):
-        if name == "sgl_kernel" or name.startswith("sgl_kernel."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-    def create_module(self, spec): m=_Stub(spec.name); m.__path__=[]; return m
-    def exec_module(self, m): pass
-sys.meta_path.insert(0, _Finder())
+import _sgl_kernel_stub  # benchmarks/, on sys.path as the script's folder
+_sgl_kernel_stub.install()
 import torch
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.configs.model_config import ModelConfig

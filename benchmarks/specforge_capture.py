@@ -27,55 +27,18 @@ SGLang's, unchanged).
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import json
 import os
 import socket
 import sys
 import tempfile
-import types
 
 os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 os.environ.setdefault("COMPILE_PASS_SGLANG_INNER", os.environ.get("INNER", "inductor"))
 
+import _sgl_kernel_stub  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
 
-class _Missing:
-    def __init__(self, name: str) -> None:
-        self._n = name
-
-    def __getattr__(self, n: str):
-        if n.startswith("__"):
-            raise AttributeError(n)
-        return _Missing(f"{self._n}.{n}")
-
-    def __call__(self, *a, **k):
-        raise NotImplementedError(f"sgl_kernel stand-in: {self._n}")
-
-
-class _Stub(types.ModuleType):
-    def __getattr__(self, n: str):
-        if n.startswith("__"):
-            raise AttributeError(n)
-        return _Missing(f"{self.__name__}.{n}")
-
-
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path, target=None):
-        if name == "sgl_kernel" or name.startswith("sgl_kernel."):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        m = _Stub(spec.name)
-        m.__path__ = []
-        return m
-
-    def exec_module(self, m):
-        pass
-
-
-sys.meta_path.insert(0, _Finder())
+_sgl_kernel_stub.install()
 
 import torch  # noqa: E402
 import sglang.srt.utils.common as _sglang_common  # noqa: E402

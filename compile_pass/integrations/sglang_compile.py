@@ -106,9 +106,14 @@ def _store_hook(original_fn: Callable, self: Any, *args: Any, **kwargs: Any) -> 
 
 
 def _layer_model(model: Any) -> Optional[torch.nn.Module]:
-    """The module whose ``forward`` runs the layer loop and holds ``layers_to_capture``."""
+    """The module whose ``forward`` runs the layer loop and holds ``layers_to_capture``
+    (found once per model, then cached on it: the runner hook asks on every extend batch)."""
+    cached = model.__dict__.get("_compile_pass_layer_model")
+    if cached is not None:
+        return cached
     for module in model.modules():
         if "layers_to_capture" in module.__dict__ and hasattr(module, "layers"):
+            object.__setattr__(model, "_compile_pass_layer_model", module)
             return module
     return None
 
