@@ -33,6 +33,13 @@ if os.environ.get("ARCH", "llama") == "qwen2_moe":  # ARCH=qwen2_moe: a tiny ran
     _cfg.update({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_experts": 4,
                  "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 0,
                  "decoder_sparse_step": 1, "norm_topk_prob": False, "mlp_only_layers": [], "use_sliding_window": False})
+if os.environ.get("ARCH", "llama") == "gemma3":  # ARCH=gemma3: a plain-list model (list adopted)
+    _nl = _cfg["num_hidden_layers"]
+    _cfg.update({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 64,
+                 "query_pre_attn_scalar": 64, "sliding_window": 4096, "rope_local_base_freq": 10000.0,
+                 "layer_types": ["full_attention"] * _nl, "hidden_activation": "gelu_pytorch_tanh",
+                 "final_logit_softcapping": None, "attn_logit_softcapping": None, "rms_norm_eps": 1e-6,
+                 "tie_word_embeddings": True})
 _dir = tempfile.mkdtemp(prefix="sglang_tiny_model_")
 import json as _json
 with open(os.path.join(_dir, "config.json"), "w") as _f:
@@ -146,7 +153,8 @@ if os.environ.get("COMPILE", "0") == "1":
 print("enable", plugin.enable())
 on, o2 = run(); h_on = o2.hidden_states
 res = ({"K": K, "layers": _cfg["num_hidden_layers"], "model": _cfg["architectures"][0], "tokens": NREQ * L, "overhead_off": round((off - base) / packed, 3),
-  "overhead_on": round((on - base) / packed, 3), "bitwise": bool(torch.equal(h_off, h_on)),
+  "overhead_on": round((on - base) / packed, 3), "peak_base": base, "peak_off": off, "peak_on": on,
+  "packed_bytes": packed, "adopted": plugin.STATE["adopted"], "bitwise": bool(torch.equal(h_off, h_on)),
   "logits_equal": bool(torch.equal(o1.next_token_logits, o2.next_token_logits)), "packed_views": plugin.STATE["packed"], "fallbacks": plugin.STATE["fallbacks"]})
 print(json.dumps(res))
 if len(sys.argv) > 1:

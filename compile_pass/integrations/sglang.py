@@ -19,6 +19,10 @@ What it does (sglang 0.5.23, through SGLang's own ``HookRegistry``):
   keep the slice (no clone: the copy is the snapshot). K is read from the model's
   ``layers_to_capture`` by an around-hook on ``ModelRunner.forward`` (a context variable,
   never a caller's frame);
+- models that append to a plain ``[]`` in ``forward`` (no class to replace): the list is
+  adopted from the model's frame at its layer boundaries and its entries moved into one
+  buffer (:mod:`compile_pass.integrations.list_adoption`, hooks on the layers of the module
+  holding ``layers_to_capture``, active only inside a capturing ``ModelRunner.forward``);
 - replaces ``pack_aux_hidden_states`` by one that returns a view when the captures are
   adjacent slices of one buffer (the logits processor's pack), else SGLang's own ``torch.cat``;
 - with ``--enable-torch-compile`` (``COMPILE_PASS_SGLANG_COMPILE=1``, default on): chains
@@ -46,11 +50,14 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import pathlib
+import re
 import warnings
 from typing import Any, Optional
 
 import torch
 
+from compile_pass.integrations import list_adoption
 from compile_pass.packer import pack_aux_hidden_states as _cp_pack
 
 __all__ = ["register", "enable", "enabled_by_env", "PackingAuxHiddenStateList", "pack_view",
@@ -71,7 +78,8 @@ _num_captures: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
 
 #: what register() did: ``active``, ``reason`` (why not), originals kept at registration.
 STATE: dict = {"active": False, "reason": "not registered", "layout": None, "orig_list": None,
-               "orig_pack": None, "fallbacks": 0, "packed": 0, "inductor": {}}
+               "orig_pack": None, "fallbacks": 0, "packed": 0, "adopted": 0, "adoption": None,
+               "inductor": {}}
 
 
 def _warn(msg: str) -> None:
@@ -155,6 +163,7 @@ def pack_view(aux_hidden_states):
             aux_hidden_states = list(aux_hidden_states)
         return STATE["orig_pack"](aux_hidden_states)
     if isinstance(aux_hidden_states, (list, tuple)) and len(aux_hidden_states) > 1:
+        list_adoption.complete(aux_hidden_states)  # a plain-list model's list: the last moves
         try:
             out = _cp_pack(aux_hidden_states)
         except Exception:  # anything ours rejects: SGLang's own
@@ -164,21 +173,34 @@ def pack_view(aux_hidden_states):
     return STATE["orig_pack"](aux_hidden_states)
 
 
-def _find_k(model: Any) -> Optional[int]:
-    """len(layers_to_capture) of the module holding it; the holder is cached, the length is
-    read each forward (set_eagle3/dflash_layers_to_capture may change it after the first)."""
-    holder = getattr(model, "_compile_pass_k_holder", None)
-    if holder is None and isinstance(model, torch.nn.Module):
+_CAPTURE_ATTR = re.compile(r"(?:^|_)layers_to_capture$")  # layers_to_capture, dspark_...
+
+
+def _capture_holder(model: Any) -> Optional[tuple]:
+    """(module, attribute) of the first module of ``model`` holding its capture layers
+    (``layers_to_capture``, or a ``<name>_layers_to_capture`` such as kimi_linear's
+    ``dspark_layers_to_capture``); cached on the model."""
+    found = getattr(model, "_compile_pass_k_holder", None)
+    if found is None and isinstance(model, torch.nn.Module):
         for mod in model.modules():
-            if "layers_to_capture" in mod.__dict__:
-                holder = mod
+            attr = next((a for a in mod.__dict__ if _CAPTURE_ATTR.search(a)), None)
+            if attr is not None:
+                found = (mod, attr)
                 break
-        if holder is not None:
+        if found is not None:
             try:
-                object.__setattr__(model, "_compile_pass_k_holder", holder)
+                object.__setattr__(model, "_compile_pass_k_holder", found)
             except Exception:
                 pass
-    layers = getattr(holder, "layers_to_capture", None) if holder is not None else None
+    return found
+
+
+def _find_k(model: Any) -> Optional[int]:
+    """len of the capture layers of the module holding them; the holder is cached, the
+    length is read each forward (set_eagle3/dflash_layers_to_capture may change it after
+    the first)."""
+    found = _capture_holder(model)
+    layers = getattr(*found, None) if found is not None else None
     if layers is None or isinstance(layers, torch.Tensor):
         return None
     try:
@@ -187,35 +209,76 @@ def _find_k(model: Any) -> Optional[int]:
         return None
 
 
-_warned_plain_list: set = set()
-_plain_list_models: list = []
+_style_of_class: dict = {}
 
 
-def _warn_if_plain_list(model: Any, k: Optional[int]) -> None:
-    """Once per model class: a capturing model whose file appends to a plain ``[]`` (no
-    ``AuxHiddenStateList``) is not reached eagerly; say so, naming it."""
-    cls = type(model)
-    if not k or cls in _warned_plain_list:
+def capture_style(cls: type) -> Optional[str]:
+    """The capture style (a key of :func:`covered_models`) of the file defining ``cls``,
+    read from its source by the same rules; None: none of them, or no source."""
+    if cls not in _style_of_class:
+        try:
+            import inspect
+
+            style = _style_of_source(pathlib.Path(inspect.getsourcefile(cls)).read_text(
+                errors="replace"))
+        except Exception:  # noqa: BLE001 - no source: no style
+            style = None
+        _style_of_class[cls] = style
+    return _style_of_class[cls]
+
+
+_adoption_told: set = set()
+
+
+def _plain_list_holder(holder: torch.nn.Module) -> bool:
+    """True for a holder whose file appends its captures to a plain ``[]`` and whose layers
+    now carry the adoption hooks (installed once); a holder with no layers to hook is named
+    in a warning, once per class."""
+    cls = type(holder)
+    if capture_style(cls) != "plain list":
+        return False
+    hooked = list_adoption.install(holder)
+    if cls not in _adoption_told:
+        _adoption_told.add(cls)
+        if not hooked:
+            _warn(f"{cls.__qualname__} ({cls.__module__}) appends its captures to a plain [] "
+                  f"but has no layers to observe: its captures are packed by SGLang's torch.cat "
+                  f"as without the plugin")
+        else:
+            logger.info("%s (%s) appends its captures to a plain []: the list is adopted at its "
+                        "layer boundaries (%d modules hooked)", cls.__qualname__, cls.__module__,
+                        hooked)
+    return hooked > 0
+
+
+def _report_adoption(adoption: list_adoption.ListAdoption) -> None:
+    """After a capturing forward of a plain-list model: count it, and name in a warning
+    (once per class and reason) why adoption stopped, if it did."""
+    STATE["adoption"] = {"model": adoption.owner, "moved": adoption.moved,
+                         "boundaries": adoption.boundaries, "reason": adoption.reason}
+    if adoption.reason is None and adoption.moved:
+        STATE["adopted"] += 1
         return
-    _warned_plain_list.add(cls)
-    try:
-        if not _plain_list_models:
-            _plain_list_models.append(frozenset(covered_models()["plain list"]))
-    except Exception:  # noqa: BLE001 - the check is advice only
-        return
-    module = cls.__module__.rsplit(".", 1)[-1]
-    if module in _plain_list_models[0]:
-        _warn(f"{cls.__name__} ({cls.__module__}) appends its captures to a plain [] in forward: "
-              f"the plugin does not reach it eagerly, its captures are packed by SGLang's "
-              f"torch.cat as without the plugin")
+    if adoption.reason is not None:
+        key = (type(adoption.holder), adoption.reason.split(":")[0])
+        if key not in _adoption_told:
+            _adoption_told.add(key)
+            _warn(f"{adoption.reason}: this forward's captures are packed by SGLang's torch.cat "
+                  f"as without the plugin")
 
 
 def _runner_forward(original_fn, self, *args, **kwargs):
-    k = _find_k(getattr(self, "model", None))
-    _warn_if_plain_list(getattr(self, "model", None), k)
+    model = getattr(self, "model", None)
+    k = _find_k(model)
     token = _num_captures.set(k)
     try:
-        return original_fn(self, *args, **kwargs)
+        holder = _capture_holder(model)[0] if k else None
+        if holder is None or not _plain_list_holder(holder):
+            return original_fn(self, *args, **kwargs)
+        with list_adoption.adopting(holder, k) as adoption:
+            out = original_fn(self, *args, **kwargs)
+        _report_adoption(adoption)
+        return out
     finally:
         _num_captures.reset(token)
 
@@ -351,9 +414,6 @@ def register() -> None:
 
 def covered_models(models_dir: Optional[str] = None) -> dict:
     """Model files of the installed SGLang by capture style, read from their source."""
-    import pathlib
-    import re
-
     if models_dir is None:
         import importlib.util
 
@@ -361,14 +421,22 @@ def covered_models(models_dir: Optional[str] = None) -> dict:
         models_dir = list(spec.submodule_search_locations)[0]
     out = {"AuxHiddenStateList": [], "packer": [], "plain list": []}
     for path in sorted(pathlib.Path(models_dir).glob("*.py")):
-        src = path.read_text(errors="replace")
-        if re.search(r"AuxHiddenStateList\(\)", src):
-            out["AuxHiddenStateList"].append(path.stem)
-        elif "AuxHiddenStatePacker" in src:
-            out["packer"].append(path.stem)
-        elif re.search(r"aux_hidden_states\s*=\s*\[\]", src) and "layers_to_capture" in src:
-            out["plain list"].append(path.stem)
+        style = _style_of_source(path.read_text(errors="replace"))
+        if style is not None:
+            out[style].append(path.stem)
     return out
+
+
+def _style_of_source(src: str) -> Optional[str]:
+    """How a model file collects its captures: SGLang's list class, SGLang's packer, or a
+    plain ``[]`` (with capture layers); None: it does not capture."""
+    if re.search(r"AuxHiddenStateList\(\)", src):
+        return "AuxHiddenStateList"
+    if "AuxHiddenStatePacker" in src:
+        return "packer"
+    if re.search(r"aux_hidden_states\s*=\s*\[\]", src) and "layers_to_capture" in src:
+        return "plain list"
+    return None
 
 
 def covered_models_markdown(models_dir: Optional[str] = None) -> str:
@@ -376,8 +444,8 @@ def covered_models_markdown(models_dir: Optional[str] = None) -> str:
     cov = covered_models(models_dir)
     notes = {"AuxHiddenStateList": "packed in place by the plugin (eager)",
              "packer": "already pack with SGLang's packer and return one tensor: nothing to do",
-             "plain list": "not reached eagerly (a `[]` in forward: no class to swap); the pass "
-                           "covers them only inside a compiled graph that holds the cat"}
+             "plain list": "a `[]` in forward: the list adopted at the model's layer "
+                           "boundaries and packed in place (eager)"}
     lines = []
     for style, models in cov.items():
         lines.append(f"- **{style}** ({len(models)}; {notes[style]}): "
