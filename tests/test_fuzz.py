@@ -245,14 +245,17 @@ def test_inductor_captures_round_as_computed_outside_the_concat(seed) -> None:
     strided slice (``extern_kernels.mm(out=slice)``) and the GEMM rounds by output layout;
     seed 148: it inlines a ``tanh`` capture into the concat's kernel, on another vector path.
     The pass's captures are computed in kernels of their own: they equal, bit for bit, the
-    list build whose concat inputs are realized first (``RealizeConcatInputs``), and not the
-    stock list build's: without that reference the case would be a mismatch."""
+    list build whose concat inputs are realized first (``RealizeConcatInputs``). Whether the
+    stock list build rounds differently depends on the CPU's kernels (it did on the machine
+    that found the seeds, it does not for seed 266 on an AVX512 one): where it does, the case passes only
+    through that reference and is counted as ``own_kernel_rounding``; where it does not, the
+    pass equals the stock build and nothing is counted."""
     from compile_pass.fuzz import _compare, _compiled_run, _inputs_realized_run, _packed_outputs, build_case
 
     result = _result(seed, "inductor")
     assert result.ok, result.describe()
-    assert result.own_kernel_rounding is not None and 0 < result.own_kernel_rounding < 1e-5, \
-        result.describe()
+    if result.own_kernel_rounding is not None:
+        assert 0 < result.own_kernel_rounding < 1e-5, result.describe()
     spec = random_spec(seed)
     module, inputs = build_case(spec)
     packed = tuple(i - 1 for i in _packed_outputs(spec))
@@ -261,4 +264,5 @@ def test_inductor_captures_round_as_computed_outside_the_concat(seed) -> None:
         stock, stock_args, _ = _compiled_run(module, inputs, "inductor", False, False)
         realized, realized_args = _inputs_realized_run(module, inputs, False, None, spec.backend_options)
     assert _compare(out[1:], args, realized, realized_args, packed) is None
-    assert _compare(out[1:], args, stock[1:], stock_args, packed) is not None
+    stock_differs = _compare(out[1:], args, stock[1:], stock_args, packed) is not None
+    assert stock_differs == (result.own_kernel_rounding is not None), result.describe()
