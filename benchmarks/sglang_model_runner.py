@@ -8,6 +8,12 @@ NotImplementedError when called, created below; the Llama path on the CPU calls 
 
     K=12 python benchmarks/sglang_model_runner.py [out.json]     # env: K, NREQ, LEN, LAYERS
 
+ARCH=llama|qwen2_moe|gemma3 picks the class (gemma3: a plain-list model, its list adopted);
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM set its widths (default 256 / 256 / 4 / HEADS / 64).
+NORM=fused runs SGLang's RMSNorm-with-residual in place (a stand-in for its fused kernel).
+One tensor-parallel rank's proportions (Llama 3.1 70B at TP=8: attention and MLP widths cut by
+8, hidden not): HIDDEN=1024 HEADS=2 KV_HEADS=1 INTER=448.
+
 COMPILE=1: also ``model.forward`` compiled as SGLang's ``--enable-torch-compile`` does it on
 the CPU (``cpu_graph_runner.set_torch_compile_config()`` and ``patch_model``: Inductor,
 ``dynamic=False``, freezing on), then called through ``ModelRunner.forward`` for the same
@@ -24,9 +30,11 @@ import torch
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.model_executor.model_runner import ModelRunner
-_cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-        "intermediate_size": 256, "num_hidden_layers": int(os.environ.get("LAYERS", 16)),
-        "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 1000,
+_env = lambda name, default: int(os.environ.get(name, default))  # noqa: E731
+_cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": _env("HIDDEN", 256),
+        "intermediate_size": _env("INTER", 256), "num_hidden_layers": _env("LAYERS", 16),
+        "num_attention_heads": _env("HEADS", 4), "num_key_value_heads": _env("KV_HEADS", _env("HEADS", 4)),
+        "head_dim": _env("HEAD_DIM", 64), "vocab_size": 1000,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
         "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
 if os.environ.get("ARCH", "llama") == "qwen2_moe":  # ARCH=qwen2_moe: a tiny random MoE config
@@ -40,6 +48,26 @@ if os.environ.get("ARCH", "llama") == "gemma3":  # ARCH=gemma3: a plain-list mod
                  "layer_types": ["full_attention"] * _nl, "hidden_activation": "gelu_pytorch_tanh",
                  "final_logit_softcapping": None, "attn_logit_softcapping": None, "rms_norm_eps": 1e-6,
                  "tie_word_embeddings": True})
+if os.environ.get("NORM", "native") == "fused":
+    # NORM=fused: SGLang's RMSNorm with a residual runs in place, as its CUDA and CPU kernels
+    # (fused_add_rmsnorm / sgl_kernel's fused_add_rmsnorm_cpu, neither loadable here) do:
+    # residual += x, then x = rmsnorm(residual) * weight, row block by row block. A stand-in
+    # written here for the kernel, not SGLang code; its eager fp32 forward_native keeps about
+    # four [tokens, hidden] temporaries alive per norm that no served build has.
+    from sglang.srt.layers.layernorm import RMSNorm as _RMSNorm
+    _native = _RMSNorm.forward_native
+    def _fused_add_rmsnorm_(self, x, residual=None, post_residual_addition=None, quant_linear=None):
+        if (residual is None or post_residual_addition is not None or self.variance_size_override is not None
+                or not (x.is_contiguous() and residual.is_contiguous()) or x.shape != residual.shape):
+            return _native(self, x, residual, post_residual_addition, quant_linear)
+        residual.add_(x)
+        rows_r, rows_x = residual.view(-1, residual.shape[-1]), x.view(-1, x.shape[-1])
+        for s_ in range(0, rows_r.shape[0], 128):
+            r_ = rows_r[s_:s_ + 128].float()
+            rows_x[s_:s_ + 128] = (r_ * torch.rsqrt(r_.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+                                   * self.weight.float()).to(x.dtype)
+        return x, residual
+    _RMSNorm.forward_native = _fused_add_rmsnorm_
 _dir = tempfile.mkdtemp(prefix="sglang_tiny_model_")
 import json as _json
 with open(os.path.join(_dir, "config.json"), "w") as _f:
@@ -112,7 +140,7 @@ else:
     m.model.layers_to_capture = list(range(1, 1 + K))
 off, o1 = run(); h_off = o1.hidden_states.clone()
 from compile_pass.integrations import sglang as plugin
-packed = NREQ * L * 256 * K * 4
+packed = NREQ * L * _cfg["hidden_size"] * K * 4
 if os.environ.get("COMPILE", "0") == "1":
     from types import SimpleNamespace
     from sglang.srt.model_executor.cpu_graph_runner import patch_model, set_torch_compile_config
@@ -155,7 +183,10 @@ on, o2 = run(); h_on = o2.hidden_states
 res = ({"K": K, "layers": _cfg["num_hidden_layers"], "model": _cfg["architectures"][0], "tokens": NREQ * L, "overhead_off": round((off - base) / packed, 3),
   "overhead_on": round((on - base) / packed, 3), "peak_base": base, "peak_off": off, "peak_on": on,
   "packed_bytes": packed, "adopted": plugin.STATE["adopted"], "bitwise": bool(torch.equal(h_off, h_on)),
-  "logits_equal": bool(torch.equal(o1.next_token_logits, o2.next_token_logits)), "packed_views": plugin.STATE["packed"], "fallbacks": plugin.STATE["fallbacks"]})
+  "logits_equal": bool(torch.equal(o1.next_token_logits, o2.next_token_logits)),
+  "logits_equal_no_capture": bool(torch.equal(o0.next_token_logits, o2.next_token_logits)),
+  "hidden": _cfg["hidden_size"], "norm": os.environ.get("NORM", "native"),
+  "packed_views": plugin.STATE["packed"], "fallbacks": plugin.STATE["fallbacks"]})
 print(json.dumps(res))
 if len(sys.argv) > 1:
     open(sys.argv[1], "w").write(json.dumps(res, indent=1) + "\n")

@@ -91,6 +91,7 @@ def test_adopted_list_packs_into_one_buffer_bitwise(style, x):
     on, (h, packed) = _overhead(model, x, adopt=True)
     state = _serve.state
     assert state.reason is None and state.moved == 8 and state.boundaries > 0
+    assert state.moves > 1 and not state.moved_all_at_once
     assert packed.data_ptr() == state.buffer.data_ptr() and packed.shape == (T, 8 * H)
     assert torch.equal(packed, packed_ref) and torch.equal(h, h_ref)
     assert off >= 1.5, off  # the list path: K captures and the cat alive together
@@ -115,6 +116,7 @@ def test_layers_called_through_dot_forward_are_seen_only_at_the_final_norm(x):
     _, ref = _serve(model, x, adopt=False)
     _, packed = _serve(model, x, adopt=True)
     assert _serve.state.boundaries == 1 and _serve.state.moved == 4  # all four, at the norm
+    assert _serve.state.moves == 1 and _serve.state.moved_all_at_once
     assert torch.equal(packed, ref)
 
 
@@ -161,9 +163,21 @@ def test_what_does_not_fit_stops_adoption_and_keeps_the_list_result(cls, why, x)
     assert torch.equal(packed, ref)
 
 
+class InPlaceBlock(Block):
+    """Scales its input in place before using it (as a fused in-place norm does)."""
+
+    def forward(self, h):
+        h.mul_(0.5)
+        return h + torch.tanh(self.proj(h))
+
+
 class MutatesAfterAppend(PlainListDecoder):
-    """Appends ``h`` then scales it in place inside the next layer's call: a clone on
-    append (the packer's contract) keeps the value at the append."""
+    """Appends ``h``, which the next layer's call then scales in place: a clone on append
+    (the packer's contract) keeps the value at the append; the bare list would not."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(InPlaceBlock() for _ in range(len(self.layers)))
 
     def forward(self, h):
         aux_hidden_states = []
@@ -171,7 +185,6 @@ class MutatesAfterAppend(PlainListDecoder):
             if i in self.layers_to_capture:
                 aux_hidden_states.append(h)
             h = layer(h)
-            h.mul_(0.5)
         return self.norm(h), aux_hidden_states
 
 
@@ -186,6 +199,25 @@ def test_an_entry_is_captured_as_it_was_at_the_boundary(x):
     for hk in hooks:
         hk.remove()
     assert torch.equal(packed, torch.cat(clones, dim=-1))
+    _, bare = _serve(model, x.clone(), adopt=False)
+    assert not torch.equal(bare, packed), "the bare list should see the in-place scaling"
+
+
+@torch.no_grad()
+def test_a_failing_hook_stops_adoption_and_never_breaks_the_forward(x, monkeypatch):
+    from compile_pass.integrations import list_adoption
+
+    model = PlainListDecoder()
+    install(model)
+    ref_h, ref = _serve(model, x, adopt=False)
+
+    def boom(state):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(list_adoption, "_move_new_entries", boom)
+    h, packed = _serve(model, x, adopt=True)
+    assert "failed" in _serve.state.reason and "simulated" in _serve.state.reason
+    assert torch.equal(h, ref_h) and torch.equal(packed, ref)
 
 
 def test_hooks_do_nothing_without_an_adoption_and_install_is_idempotent(x):

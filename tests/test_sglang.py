@@ -261,25 +261,119 @@ def test_runner_hook_sees_capture_layers_changed_after_first_forward():
     assert seen == [None, 3]
 
 
-def test_runner_hook_warns_once_for_a_plain_list_model():
-    """A model whose file appends to a plain ``[]`` (gemma3_causal in 0.5.23) is named in a
-    warning on its first capturing forward, once per class; a covered model is not."""
+def _plain_list_holder_class(module_name, with_layers=True, dot_forward=False):
+    """A holder whose class is filed under ``module_name`` (so its capture style is read from
+    that real SGLang model file) and whose forward appends to a plain ``[]`` (its layers
+    called as ``layer.forward(x)`` with ``dot_forward``)."""
+
+    def __init__(self):
+        torch.nn.Module.__init__(self)
+        if with_layers:
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+            self.norm = torch.nn.LayerNorm(8)
+        self.layers_to_capture = [0, 2, 3]
+
+    def forward(self, x):
+        aux_hidden_states = []
+        for i, layer in enumerate(getattr(self, "layers", [])):
+            if i in self.layers_to_capture:
+                aux_hidden_states.append(x + 1)
+            x = layer.forward(x) if dot_forward else layer(x)
+        return (self.norm(x) if hasattr(self, "norm") else x), aux_hidden_states
+
+    return type("Holder", (torch.nn.Module,), {"__module__": module_name, "__init__": __init__,
+                                              "forward": forward})
+
+
+def test_capture_style_read_from_the_real_model_files():
+    from compile_pass.integrations import sglang as p
+    from sglang.srt.models import gemma3_causal, llama
+
+    assert p.capture_style(gemma3_causal.Gemma3TextModel) == "plain list"
+    assert p.capture_style(llama.LlamaModel) == "AuxHiddenStateList"
+
+
+@torch.no_grad()  # as SGLang's forward runs; a capture that needs grad is not adopted
+def test_plain_list_model_is_adopted_and_its_pack_is_a_view():
+    """A holder classified from the real gemma3_causal.py (a plain ``[]``) gets the adoption
+    hooks; its captures end in one buffer and SGLang's pack returns a view of it, with the
+    bytes of the list path. A holder from llama.py (AuxHiddenStateList) gets no hooks."""
     from compile_pass.integrations import sglang as p
 
-    def runner_for(module_name):
-        inner = torch.nn.Module()
-        inner.layers_to_capture = [1, 2, 3]
-        outer = type("Model", (torch.nn.Module,), {"__module__": module_name})()
-        outer.model = inner
-        return types.SimpleNamespace(model=outer)
+    torch.manual_seed(0)
+    x = torch.randn(5, 8)
+    if p.STATE["orig_pack"] is None:
+        p.STATE["orig_pack"] = sg_aux.pack_aux_hidden_states
+    results = {}
+    for module_name in ("sglang.srt.models.gemma3_causal", "sglang.srt.models.llama"):
+        __import__(module_name)
+        torch.manual_seed(1)
+        holder = _plain_list_holder_class(module_name)()
+        outer = torch.nn.Module()
+        outer.model = holder
+        runner = types.SimpleNamespace(model=outer)
 
-    for module_name, expected in (("sglang.srt.models.gemma3_causal", 1), ("sglang.srt.models.llama", 0)):
-        runner = runner_for(module_name)
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            p._runner_forward(lambda self: None, runner)
-            p._runner_forward(lambda self: None, runner)
-        named = [x for x in w if "plain []" in str(x.message)]
-        assert len(named) == expected, [str(x.message) for x in w]
-        if expected:
-            assert module_name in str(named[0].message)
+        def run(self):
+            out, aux = self.model.model(x)
+            return out, p.pack_view(aux)
+
+        before = p.STATE["adopted"]
+        out, packed = p._runner_forward(run, runner)
+        results[module_name] = (out, packed, p.STATE["adopted"] - before,
+                                hasattr(holder, "_compile_pass_list_adoption_hooks"))
+    torch.manual_seed(1)
+    ref_out, ref_aux = _plain_list_holder_class("sglang.srt.models.llama")()(x)
+    gem = results["sglang.srt.models.gemma3_causal"]
+    llama = results["sglang.srt.models.llama"]
+    assert gem[2] == 1 and gem[3], "the plain-list holder was not adopted"
+    assert llama[2] == 0 and not llama[3], "an AuxHiddenStateList holder got adoption hooks"
+    assert gem[1]._base is not None, "the pack of an adopted list should be a view of its buffer"
+    assert llama[1]._base is None, "SGLang's cat of separate captures is a new tensor"
+    for out, packed, *_ in (gem, llama):
+        assert torch.equal(out, ref_out)
+        assert torch.equal(packed, torch.cat(ref_aux, -1))
+
+
+def test_plain_list_model_with_no_layers_warns_once():
+    from compile_pass.integrations import sglang as p
+
+    holder = _plain_list_holder_class("sglang.srt.models.gemma3_causal", with_layers=False)()
+    outer = torch.nn.Module()
+    outer.model = holder
+    runner = types.SimpleNamespace(model=outer)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        p._runner_forward(lambda self: None, runner)
+        p._runner_forward(lambda self: None, runner)
+    named = [x for x in w if "no layers to observe" in str(x.message)]
+    assert len(named) == 1, [str(x.message) for x in w]
+    assert "gemma3_causal" in str(named[0].message)
+
+
+@torch.no_grad()
+def test_plain_list_model_calling_layer_forward_is_named_once():
+    """Layers called as ``layer.forward(x)`` run no hook: the captures are all moved at the
+    final norm, in one step, which saves nothing; the plugin says so once per class."""
+    from compile_pass.integrations import sglang as p
+
+    if p.STATE["orig_pack"] is None:
+        p.STATE["orig_pack"] = sg_aux.pack_aux_hidden_states
+    holder = _plain_list_holder_class("sglang.srt.models.gemma3_causal", dot_forward=True)()
+    outer = torch.nn.Module()
+    outer.model = holder
+    runner = types.SimpleNamespace(model=outer)
+    x = torch.randn(5, 8)
+
+    def run(self):
+        out, aux = self.model.model(x)
+        return p.pack_view(aux)
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        packed = p._runner_forward(run, runner)
+        p._runner_forward(run, runner)
+    named = [x for x in w if "no layer call between its captures" in str(x.message)]
+    assert len(named) == 1, [str(x.message) for x in w]
+    assert p.STATE["adoption"]["moves"] == 1 and p.STATE["adoption"]["moved"] == 3
+    _, ref_aux = holder(x)
+    assert torch.equal(packed, torch.cat(ref_aux, -1))

@@ -59,7 +59,8 @@ _HOOKED_ATTR = "_compile_pass_list_adoption_hooks"
 @dataclass
 class ListAdoption:
     """One capturing forward of one holder: the adopted list and the buffer its entries
-    moved into (``moved`` entries so far). ``reason`` says why adoption stopped, if it did."""
+    moved into (``moved`` entries so far, in ``moves`` steps: boundaries or the pack that
+    moved at least one). ``reason`` says why adoption stopped, if it did."""
 
     holder: torch.nn.Module
     num_captures: int
@@ -67,12 +68,20 @@ class ListAdoption:
     captures: Optional[list] = None
     buffer: Optional[torch.Tensor] = None
     moved: int = 0
+    moves: int = 0
     boundaries: int = 0
     reason: Optional[str] = None
 
     @property
     def owner(self) -> str:
         return type(self.holder).__qualname__
+
+    @property
+    def moved_all_at_once(self) -> bool:
+        """More than one entry, all moved in one step: no layer boundary was seen between the
+        captures (e.g. layers called as ``layer.forward(...)``, which runs no hook), so every
+        original was alive with the buffer, the same peak as the list path's cat."""
+        return self.moved > 1 and self.moves == 1
 
 
 _current: contextvars.ContextVar[Optional[ListAdoption]] = contextvars.ContextVar(
@@ -155,13 +164,13 @@ def _find_list(state: ListAdoption, frame: types.FrameType) -> Optional[list]:
 
 
 def _move_new_entries(state: ListAdoption) -> None:
-    captures = state.captures
+    captures, before = state.captures, state.moved
     while state.reason is None and state.moved < len(captures):
         j, hidden = state.moved, captures[state.moved]
         problem = _misfit(state, j, hidden)
         if problem is not None:
             state.reason = problem
-            return
+            break
         if state.buffer is None:
             state.buffer = hidden.new_empty((*hidden.shape[:-1],
                                              state.num_captures * hidden.shape[-1]))
@@ -170,6 +179,7 @@ def _move_new_entries(state: ListAdoption) -> None:
         slot.copy_(hidden)
         captures[j] = slot
         state.moved += 1
+    state.moves += state.moved > before
 
 
 def _misfit(state: ListAdoption, j: int, hidden: Any) -> Optional[str]:
@@ -203,6 +213,8 @@ def _at_boundary(module: torch.nn.Module, args: Any) -> None:
                 return
         state.boundaries += 1
         _move_new_entries(state)
+    except Exception as exc:  # noqa: BLE001 - a hook must never break the model's forward
+        state.reason = f"adopting the captures of {state.owner} failed: {exc!r}"
     finally:
         del frame
 

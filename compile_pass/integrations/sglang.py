@@ -253,18 +253,28 @@ def _plain_list_holder(holder: torch.nn.Module) -> bool:
 
 def _report_adoption(adoption: list_adoption.ListAdoption) -> None:
     """After a capturing forward of a plain-list model: count it, and name in a warning
-    (once per class and reason) why adoption stopped, if it did."""
+    (once per class and reason) why adoption stopped, if it did, or why it saved nothing."""
     STATE["adoption"] = {"model": adoption.owner, "moved": adoption.moved,
-                         "boundaries": adoption.boundaries, "reason": adoption.reason}
+                         "moves": adoption.moves, "boundaries": adoption.boundaries,
+                         "reason": adoption.reason}
     if adoption.reason is None and adoption.moved:
         STATE["adopted"] += 1
+        if adoption.moved_all_at_once:
+            _warn_once(type(adoption.holder), "moved all at once",
+                       f"{adoption.owner} showed no layer call between its captures (layers "
+                       f"called as layer.forward(...) run no hook): its {adoption.moved} captures "
+                       f"were packed in one step, with the peak of SGLang's torch.cat")
         return
     if adoption.reason is not None:
-        key = (type(adoption.holder), adoption.reason.split(":")[0])
-        if key not in _adoption_told:
-            _adoption_told.add(key)
-            _warn(f"{adoption.reason}: this forward's captures are packed by SGLang's torch.cat "
-                  f"as without the plugin")
+        _warn_once(type(adoption.holder), adoption.reason.split(":")[0],
+                   f"{adoption.reason}: this forward's captures are packed by SGLang's torch.cat "
+                   f"as without the plugin")
+
+
+def _warn_once(cls: type, kind: str, msg: str) -> None:
+    if (cls, kind) not in _adoption_told:
+        _adoption_told.add((cls, kind))
+        _warn(msg)
 
 
 def _runner_forward(original_fn, self, *args, **kwargs):
