@@ -217,6 +217,30 @@ def test_list_falls_back_to_clone_when_capture_does_not_fit():
         p._num_captures.reset(tok)
 
 
+def test_list_falls_back_to_clone_when_writing_fails(monkeypatch):
+    """An error inside the packing write (e.g. the buffer's allocation) is a warning naming
+    it; that capture and the rest of the forward are SGLang's clones, the values unchanged."""
+    from compile_pass.integrations import sglang as p
+
+    cls = p._make_list_class(sg_aux.AuxHiddenStateList)
+
+    def boom(self, hidden):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(cls, "_cp_write_slice", boom)
+    tok = p._num_captures.set(2)
+    try:
+        aux = cls()
+        a, b = torch.randn(4, 3), torch.randn(4, 3)
+        with pytest.warns(RuntimeWarning, match="simulated"):
+            aux.capture(a)
+        aux.append(b)
+        assert torch.equal(aux[0], a) and aux[0] is not a and aux[1] is b
+        assert torch.equal(p.pack_view(aux), torch.cat([a, b], -1))
+    finally:
+        p._num_captures.reset(tok)
+
+
 def test_runner_hook_reads_k_from_layers_to_capture():
     from compile_pass.integrations import sglang as p
 
@@ -377,3 +401,22 @@ def test_plain_list_model_calling_layer_forward_is_named_once():
     assert p.STATE["adoption"]["moves"] == 1 and p.STATE["adoption"]["moved"] == 3
     _, ref_aux = holder(x)
     assert torch.equal(packed, torch.cat(ref_aux, -1))
+
+
+def test_an_error_in_the_runner_hook_never_fails_the_forward(monkeypatch):
+    """The plugin's own work around ``ModelRunner.forward`` raising: a warning naming it,
+    and the forward's own result."""
+    from compile_pass.integrations import sglang as p
+
+    def boom(model):
+        raise RuntimeError("capture layers unreadable (simulated)")
+
+    monkeypatch.setattr(p, "_capture_holder", boom)
+    runner = types.SimpleNamespace(model=torch.nn.Module())
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = p._runner_forward(lambda self, x: x * 2, runner, 21)
+    assert out == 42
+    assert any("simulated" in str(x.message) and "as without the plugin" in str(x.message)
+               for x in w), [str(x.message) for x in w]
+    assert p._num_captures.get() is None

@@ -99,8 +99,20 @@ class _PackingMixin:
     _cp_off = False
 
     def _cp_write(self, hidden: torch.Tensor) -> bool:
+        """Copy ``hidden`` into its slice and append the slice; False: the caller appends as
+        SGLang's list does (off for this forward, or anything failed here)."""
         if self._cp_off or torch.compiler.is_compiling() or not isinstance(hidden, torch.Tensor):
             return False
+        try:
+            return self._cp_write_slice(hidden)
+        except Exception as e:  # noqa: BLE001 - never fail the model's forward
+            self._cp_off = True
+            STATE["fallbacks"] += 1
+            _warn_once(type(self), "write failed", f"writing capture {len(self)} into the packed "
+                       f"buffer failed ({e!r}): this forward captures as without the plugin")
+            return False
+
+    def _cp_write_slice(self, hidden: torch.Tensor) -> bool:
         if self._cp_buffer is None:
             k = _num_captures.get()
             if k is None or k < 1 or hidden.dim() < 1 or len(self) != 0:
@@ -277,17 +289,35 @@ def _warn_once(cls: type, kind: str, msg: str) -> None:
         _warn(msg)
 
 
-def _runner_forward(original_fn, self, *args, **kwargs):
-    model = getattr(self, "model", None)
+def _capture_plan(runner: Any) -> tuple:
+    """(K, the plain-list holder to adopt from or None) for the runner's model; K None: not
+    capturing, or capture layers not found."""
+    model = getattr(runner, "model", None)
     k = _find_k(model)
+    holder = _capture_holder(model)[0] if k else None
+    return k, (holder if holder is not None and _plain_list_holder(holder) else None)
+
+
+def _runner_forward(original_fn, self, *args, **kwargs):
+    """Around ``ModelRunner.forward``: K for the packing list, and the adoption of a
+    plain-list model's captures. Nothing of the plugin's own can fail the forward: an error
+    in it is a warning (once per kind) and the forward runs as without the plugin."""
+    try:
+        k, holder = _capture_plan(self)
+    except Exception as e:  # noqa: BLE001
+        _warn_once(type(self), "capture plan", f"reading the capture layers failed ({e!r}): "
+                   f"this forward captures as without the plugin")
+        k, holder = None, None
     token = _num_captures.set(k)
     try:
-        holder = _capture_holder(model)[0] if k else None
-        if holder is None or not _plain_list_holder(holder):
+        if holder is None:
             return original_fn(self, *args, **kwargs)
         with list_adoption.adopting(holder, k) as adoption:
             out = original_fn(self, *args, **kwargs)
-        _report_adoption(adoption)
+        try:
+            _report_adoption(adoption)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("reporting the adoption failed: %r", e)
         return out
     finally:
         _num_captures.reset(token)
