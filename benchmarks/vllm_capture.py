@@ -8,7 +8,8 @@ returned captures, H=256, fp32, 2048 tokens; ``sum`` captures ``hidden + residua
 ``clone`` captures ``residual.clone()`` after an in-place fused norm) and one Llama 3.1 70B
 TP=8 rank (``models/engine.py``, ``--engine-layers`` layers, ``--engine-captures`` K, bf16;
 the default 4 layers capture Eagle3's layers of a 4-layer model, (1, 2): K=2), each compiled by
-vLLM's VllmBackend with eager and Inductor pieces. The speculator's own ``torch.cat``
+vLLM's VllmBackend with eager and Inductor pieces (``--mode DYNAMO_TRACE_ONCE``: one graph with
+the stock eager / Inductor backend, as vLLM's CPU platform compiles). The speculator's own ``torch.cat``
 statement packs (``spec_decode/target_dependent_ar/speculator.py``'s ``torch``).
 overhead = (peak - peak of the same build without captures) / packed bytes; "bitwise": the
 model's output equals the uncompiled model's, and the packed captures the uncompiled list
@@ -40,6 +41,7 @@ def _cat(aux):
 
 
 NO_PIECE_PASSES = False
+MODE = "VLLM_COMPILE"
 
 
 def measure(name, backend, make, inputs, warm):
@@ -63,11 +65,17 @@ def measure(name, backend, make, inputs, warm):
             plugin.uninstall()
         peaks, outs = {}, {}
         t = time.time()
+        error = None
         for caps in (False, True):
             cls, kwargs = make(caps)
-            model, run, _ = H.build(backend, cls=cls, **kwargs)
-            model.load_state_dict(ref.state_dict(), strict=False)
-            run(*warm)
+            try:
+                model, run, _ = H.build(backend, cls=cls, mode=MODE, **kwargs)
+                model.load_state_dict(ref.state_dict(), strict=False)
+                run(*warm)
+            except Exception as e:  # a build vLLM itself cannot compile: recorded, not measured
+                error = f"{'with' if caps else 'without'} captures: {type(e).__name__}: {str(e)[:300]}"
+                torch._dynamo.reset()
+                break
 
             def full(*x):
                 h, aux = run(*x)
@@ -78,10 +86,15 @@ def measure(name, backend, make, inputs, warm):
             del model, run, full, p  # one build's weights alive at a time (8 layers of a 70B rank: 1.7 GB)
             torch._dynamo.reset()
             gc.collect()
-        h, packed = outs[True]
         nbytes = rp.numel() * rp.element_size()
+        if error is not None:
+            rows.append({"model": name, "pieces": backend, "mode": MODE, "plugin": on,
+                         "error": error, "seconds": round(time.time() - t, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+            continue
+        h, packed = outs[True]
         rows.append({
-            "model": name, "pieces": backend, "plugin": on,
+            "model": name, "pieces": backend, "mode": MODE, "plugin": on,
             "peak_mib": round(peaks[True] / 2**20, 2), "peak_no_capture_mib": round(peaks[False] / 2**20, 2),
             "packed_mib": round(nbytes / 2**20, 2),
             "overhead": round((peaks[True] - peaks[False]) / nbytes, 3),
@@ -107,10 +120,13 @@ def main() -> None:
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--no-piece-passes", action="store_true",
                     help="plugin on without its per-piece Inductor passes (diagnosis)")
+    ap.add_argument("--mode", default="VLLM_COMPILE", choices=("VLLM_COMPILE", "DYNAMO_TRACE_ONCE"),
+                    help="vLLM's compilation mode: VLLM_COMPILE splits at attention into pieces; "
+                         "DYNAMO_TRACE_ONCE (what vLLM's CPU platform forces) compiles one graph")
     ap.add_argument("--out")
     args = ap.parse_args()
-    global NO_PIECE_PASSES
-    NO_PIECE_PASSES = args.no_piece_passes
+    global NO_PIECE_PASSES, MODE
+    NO_PIECE_PASSES, MODE = args.no_piece_passes, args.mode
     rows = []
     x = torch.randn(args.tokens, 256)
     for backend in args.backends.split(","):

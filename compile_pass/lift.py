@@ -20,6 +20,7 @@ either way, and nothing else aliases a fresh tensor).
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -101,13 +102,44 @@ class LiftedBuffers:
 
 class WithLiftedBuffers:
     """A compiled lifted graph called as the original one: each call allocates the
-    buffers and appends them to the (positional) arguments."""
+    buffers and appends them to the (positional) arguments.
+
+    A ``torch._dynamo`` ``SerializableCallable`` where that exists (torch's ahead-of-time
+    compile, e.g. vLLM's ``VLLM_USE_AOT_COMPILE``, refuses a backend result that is not):
+    the artifact is the compiled graph's own (Inductor's, bundled by AOTAutograd) and the
+    buffer specs."""
 
     def __init__(self, compiled: Callable[..., Any], lifted: LiftedBuffers) -> None:
         self.compiled, self.lifted = compiled, lifted
 
     def __call__(self, *args: Any) -> Any:
         return self.compiled(*args, *self.lifted.allocate(args))
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: "WithLiftedBuffers") -> bytes:
+        from torch._dynamo.aot_compile_types import (BundledAOTAutogradSerializableCallable,
+                                                     SerializableCallable)
+
+        inner = fn.compiled
+        if not isinstance(inner, SerializableCallable):
+            if getattr(inner, "serialize", None) is None:
+                raise TypeError(f"the compiled lifted graph ({type(inner).__name__}) has no "
+                                "serializable artifact")
+            inner = BundledAOTAutogradSerializableCallable(inner)
+        return pickle.dumps((type(inner), type(inner).serialize_compile_artifacts(inner), fn.lifted))
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> "WithLiftedBuffers":
+        inner_cls, artifact, lifted = pickle.loads(data)
+        return cls(inner_cls.deserialize_compile_artifacts(artifact), lifted)
+
+
+try:  # torch >= 2.10: a virtual subclass, so torch's isinstance check accepts it
+    from torch._dynamo.aot_compile_types import SerializableCallable as _SerializableCallable
+except ImportError:  # pragma: no cover - older torch has no ahead-of-time compile
+    _SerializableCallable = None
+if _SerializableCallable is not None:
+    _SerializableCallable.register(WithLiftedBuffers)
 
 
 def find_packed_buffers(graph: fx.Graph) -> List[fx.Node]:

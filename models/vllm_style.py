@@ -180,10 +180,12 @@ def vllm_config(backend: str, splitting_ops: Sequence[str] = (ATTENTION_OP,), mo
     return config
 
 
-def build(backend: str = "eager", cls: type = VllmStyleDecoder, **model_kwargs: Any
-          ) -> Tuple[nn.Module, Callable[[torch.Tensor], Any], Any]:
-    """(model, run, config): the decorated model built under its config, ``run(x)`` calling it
-    in vLLM's forward context. ``backend="none"`` builds the same weights uncompiled."""
+def build(backend: str = "eager", cls: type = VllmStyleDecoder, mode: str = "VLLM_COMPILE",
+          **model_kwargs: Any) -> Tuple[nn.Module, Callable[[torch.Tensor], Any], Any]:
+    """(model, run, config): the decorated model built under its config (vLLM's compilation
+    ``mode``: VLLM_COMPILE splits at the attention op, DYNAMO_TRACE_ONCE compiles one graph
+    as vLLM's CPU platform does), ``run(x)`` calling it in vLLM's forward context.
+    ``backend="none"`` builds the same weights uncompiled."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
@@ -193,7 +195,7 @@ def build(backend: str = "eager", cls: type = VllmStyleDecoder, **model_kwargs: 
     if backend == "none":
         model = cls(**model_kwargs).eval()
         return model, model, None
-    config = vllm_config(backend, getattr(cls, "SPLITTING_OPS", (ATTENTION_OP,)))
+    config = vllm_config(backend, getattr(cls, "SPLITTING_OPS", (ATTENTION_OP,)), mode=mode)
     with set_current_vllm_config(config):
         model = decorated(cls)(vllm_config=config, prefix="", **model_kwargs).eval()
 

@@ -934,3 +934,44 @@ def test_code_before_is_kept_only_when_asked():
     assert dropped.code_after == kept.code_after
     with pytest.raises(TypeError, match="keep_code_before"):
         AuxCaptureBackend(keep_code_before="yes")
+
+
+def _three_captures(x: torch.Tensor, w: torch.Tensor):
+    aux = []
+    h = x
+    for i in range(4):
+        if i in (1, 2, 3):
+            aux.append(h + 1)
+        h = torch.tanh(h @ w)
+    return h, aux
+
+
+@pytest.mark.inductor
+def test_inductor_result_survives_torch_aot_compile(tmp_path):
+    """torch's ahead-of-time compile (vLLM's ``VLLM_USE_AOT_COMPILE``) takes only a
+    ``SerializableCallable``: the inductor inner's result with lifted buffers is one. Saved
+    and loaded back, it computes what the in-process compile computes, bit for bit, and
+    still returns the captures as adjacent slices of one buffer."""
+    types = pytest.importorskip("torch._dynamo.aot_compile_types",
+                                reason="this torch has no ahead-of-time compile")
+    from compile_pass.lift import WithLiftedBuffers
+
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 32), torch.randn(32, 32)
+    ref_h, ref_aux = torch.compile(_three_captures, backend=AuxCaptureBackend(pack_outputs=True),
+                                   fullgraph=True)(x, w)
+    backend = AuxCaptureBackend(pack_outputs=True)
+    compiled = torch.compile(_three_captures, backend=backend, fullgraph=True)
+    if not hasattr(compiled, "aot_compile"):
+        pytest.skip("this torch's compiled functions have no aot_compile")
+    aot = compiled.aot_compile(((x, w), {}))
+    assert [g.decision for r in backend.results for g in r.groups] == [Decision.REWRITE]
+    assert issubclass(WithLiftedBuffers, types.SerializableCallable)
+    path = tmp_path / "artifact"
+    aot.save_compiled_function(str(path))
+    with open(path, "rb") as f:
+        loaded = torch.compiler.load_compiled_function(f)
+    for fn in (aot, loaded):
+        h, aux = fn(x, w)
+        assert torch.equal(h, ref_h) and torch.equal(torch.cat(aux, -1), torch.cat(ref_aux, -1))
+        assert compile_pass.pack_aux_hidden_states(aux)._base is not None, "not one buffer's slices"

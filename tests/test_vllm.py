@@ -36,7 +36,7 @@ def _speculator_cat(aux):
     return spec.torch.cat(aux, dim=-1)  # the speculator's own statement, through its global
 
 
-def _measure(backend, style, ref, on):
+def _measure(backend, style, ref, on, mode="VLLM_COMPILE"):
     """{captures?: (peak bytes, hidden, packed, outputs at other token counts)}."""
     if on:
         assert plugin.install()
@@ -47,7 +47,7 @@ def _measure(backend, style, ref, on):
     x = torch.randn(TOKENS, 256)
     small = [torch.randn(n, 256) for n in (5, 64, 100)]
     for caps in ((), CAPTURES):
-        model, run, _ = H.build(backend, style=style, capture_at=caps)
+        model, run, _ = H.build(backend, style=style, capture_at=caps, mode=mode)
         model.load_state_dict(ref.state_dict())
         others = [run(s) for s in small]  # the first call compiles (symbolic token count)
 
@@ -60,11 +60,11 @@ def _measure(backend, style, ref, on):
     return out, x, small
 
 
-def _check(backend, style):
+def _check(backend, style, mode="VLLM_COMPILE"):
     ref = H.build("none", style=style, capture_at=CAPTURES)[0]
     rows = {}
     for on in (False, True):
-        rows[on], x, small = _measure(backend, style, ref, on)
+        rows[on], x, small = _measure(backend, style, ref, on, mode)
     with torch.no_grad():
         rh, raux = ref(x)
         rsmall = [ref(s) for s in small]
@@ -98,6 +98,75 @@ def test_vllm_pieces_sum_captures(plugin_off, backend):
     assert plugin.stats["groups_rewritten"] > before["groups_rewritten"]
     if backend == "inductor":
         assert plugin.stats["piece_passes"] > before["piece_passes"]
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_vllm_one_graph_mode_dynamo_trace_once(plugin_off, backend):
+    """DYNAMO_TRACE_ONCE (what vLLM's CPU platform forces): one graph, no split, the backend
+    a stock name. The plugin's ``init_backend`` hands vLLM ``aux_capture`` with that inner
+    and ``pack_outputs``: the returned captures are one buffer's slices, the speculator's
+    concat a view, the outputs bitwise the uncompiled model's."""
+    before = dict(plugin.stats)
+    rows, overhead, rh, rp, rsmall = _check(backend, "sum", mode="DYNAMO_TRACE_ONCE")
+    assert overhead[False] >= 1.10, overhead
+    _assert_plugin_rows(rows, overhead, rh, rp, rsmall)
+    assert plugin.stats["groups_rewritten"] > before["groups_rewritten"]
+    assert plugin.stats["piece_passes"] == before["piece_passes"]  # no split, no pieces
+
+
+def test_vllm_one_graph_mode_with_aot_compile(plugin_off, tmp_path, monkeypatch):
+    """vLLM's ahead-of-time compile (on by default with its compile cache, torch >= 2.10)
+    refuses a backend result that is not a ``SerializableCallable``: the plugin's Inductor
+    result is one, saved to vLLM's cache and loaded back by the next build (which vLLM then
+    recompiles, as it does without the plugin on this mode: ``finalize_loading``)."""
+    from vllm.compilation.counter import compilation_counter
+
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "0")
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    ref = H.build("none", style="sum", capture_at=CAPTURES)[0]
+    assert plugin.install()
+    saved = compilation_counter.num_aot_artifacts_saved
+    torch.manual_seed(3)
+    x = torch.randn(300, 256)
+    with torch.no_grad():
+        rh, raux = ref(x)
+    for _ in range(2):
+        model, run, _ = H.build("inductor", style="sum", capture_at=CAPTURES, mode="DYNAMO_TRACE_ONCE")
+        model.load_state_dict(ref.state_dict())
+        h, aux = run(x)
+        assert torch.equal(h, rh) and torch.equal(_speculator_cat(aux), torch.cat(raux, -1))
+    assert compilation_counter.num_aot_artifacts_saved > saved
+    assert list(tmp_path.rglob("model")), "no AOT artifact in vLLM's cache"
+
+
+def test_init_backend_wraps_only_one_graph_modes_stock_names(plugin_off, monkeypatch):
+    """VLLM_COMPILE keeps VllmBackend; DYNAMO_TRACE_ONCE's ``inductor`` / ``eager`` become the
+    capture backend (Inductor with vLLM's config); ``aot_eager`` and a backend that cannot be
+    built stay vLLM's, the latter with a log line."""
+    from vllm.compilation.backends import VllmBackend
+
+    assert plugin.install()
+    cfg = H.vllm_config("inductor", mode="VLLM_COMPILE")
+    assert isinstance(cfg.compilation_config.init_backend(cfg), VllmBackend)
+    for name in ("inductor", "eager"):
+        cfg = H.vllm_config(name, mode="DYNAMO_TRACE_ONCE")
+        got = cfg.compilation_config.init_backend(cfg)
+        assert isinstance(got, plugin._OneGraphCapture) and got.inner == name
+        assert got.backend.pack_outputs
+    assert got.backend.inductor_options == {}
+    cfg = H.vllm_config("inductor", mode="DYNAMO_TRACE_ONCE")
+    inductor = cfg.compilation_config.init_backend(cfg)
+    assert inductor.backend.inductor_options == dict(cfg.compilation_config.inductor_compile_config)
+    cfg = H.vllm_config("aot_eager", mode="DYNAMO_TRACE_ONCE")
+    assert cfg.compilation_config.init_backend(cfg) == "aot_eager"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated")
+
+    monkeypatch.setattr(plugin._OneGraphCapture, "__init__", broken)
+    cfg = H.vllm_config("inductor", mode="DYNAMO_TRACE_ONCE")
+    assert cfg.compilation_config.init_backend(cfg) == "inductor"
 
 
 def test_vllm_inductor_pieces_clone_captures(plugin_off):

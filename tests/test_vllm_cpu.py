@@ -44,5 +44,8 @@ def test_llm_eagle3_end_to_end_plugin_off_vs_on(tmp_path):
     on = _run(tmp_path, True)
     assert not off["plugin_active"] and on["plugin_active"]
     assert on["token_ids"] == off["token_ids"] and all(len(t) == 8 for t in on["token_ids"])
-    # the V1 runner's concat went through the plugin's torch proxy
-    assert on["stats"]["cat_views"] + on["stats"]["cat_copies"] > 0
+    # vLLM's CPU platform compiles one graph (DYNAMO_TRACE_ONCE, Inductor): the plugin's
+    # init_backend compiled it with the capture pass, and every concat of the V1 runner was
+    # a view of the packed buffer
+    assert on["stats"]["graphs_rewritten"] >= 1 and on["stats"]["groups_rewritten"] >= 1, on["stats"]
+    assert on["stats"]["cat_views"] > 0 and on["stats"]["cat_copies"] == 0, on["stats"]

@@ -27,6 +27,10 @@ does nothing. What it changes (docs/vllm.md):
    each capture is written into its slice of one packed buffer.
 6. ``VllmConfig.compute_hash``: the plugin's tag and source hash are mixed in, so vLLM's
    compile cache does not reuse artifacts built without the plugin (or vice versa).
+7. One-graph modes (``CompilationConfig.init_backend``): DYNAMO_TRACE_ONCE (forced by
+   vLLM's CPU platform) and STOCK_TORCH_COMPILE compile the whole model with a stock
+   backend named by string and no split; the plugin hands them ``aux_capture`` with that
+   inner and ``pack_outputs`` instead (Inductor with vLLM's ``inductor_compile_config``).
 
 Every vLLM name the plugin touches is checked before anything is patched; where one is
 missing or differs the plugin logs a warning naming it and patches nothing.
@@ -324,6 +328,60 @@ def _hash_with_plugin(original: Callable) -> Callable:
     return compute_hash
 
 
+# ---------------------------------------------------------------- 7: one-graph modes
+#: stock backends the one-graph modes may name that the plugin wraps. Not ``aot_eager``:
+#: under vLLM's ahead-of-time compile torch serializes its result as an AOTAutograd
+#: artifact, which the capture pass's aot_eager result is not (vLLM runs it as is).
+_ONE_GRAPH_INNERS = ("inductor", "eager")
+
+
+class _OneGraphCapture:
+    """The backend vLLM's one-graph modes (DYNAMO_TRACE_ONCE, which vLLM's CPU platform
+    forces, and STOCK_TORCH_COMPILE) get instead of the name of a stock one: this project's
+    ``aux_capture`` with the same inner, ``pack_outputs`` on (the returned captures become
+    adjacent slices of one buffer, so the runner's concat is a view) and, for Inductor, the
+    config vLLM would have passed (``inductor_compile_config``). Counts what it rewrote."""
+
+    def __init__(self, inner: str, inductor_options: Dict[str, Any]) -> None:
+        from compile_pass.backend import AuxCaptureBackend
+
+        self.inner = inner
+        self.backend = AuxCaptureBackend(inner=inner, pack_outputs=True,
+                                         inductor_options=dict(inductor_options))
+
+    def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        done = len(self.backend.results)
+        compiled = self.backend(gm, example_inputs)
+        new = self.backend.results[done:]
+        stats["graphs_rewritten"] += len(new)
+        stats["groups_rewritten"] += sum(1 for r in new for g in r.groups
+                                         if g.decision.value == "rewrite")
+        return compiled
+
+    def __repr__(self) -> str:
+        return f"compile_pass aux_capture(inner={self.inner!r}, pack_outputs=True)"
+
+
+def _one_graph_backend(original: Callable, one_graph_modes: Sequence[Any]) -> Callable:
+    def init_backend(self, vllm_config, *args, **kwargs):
+        backend = original(self, vllm_config, *args, **kwargs)
+        if self.mode not in one_graph_modes or not isinstance(backend, str) \
+                or backend not in _ONE_GRAPH_INNERS:
+            return backend
+        try:
+            options = dict(self.inductor_compile_config or {}) if backend == "inductor" else {}
+            wrapped = _OneGraphCapture(backend, options)
+        except Exception as e:  # noqa: BLE001  never a broken start: vLLM's own backend
+            logger.warning("compile_pass: %s backend %r kept as vLLM's (%s: %s)",
+                           self.mode, backend, type(e).__name__, e)
+            return backend
+        logger.info("compile_pass: %s compiles with %r", getattr(self.mode, "name", self.mode), wrapped)
+        return wrapped
+
+    init_backend.__wrapped__ = original
+    return init_backend
+
+
 # ---------------------------------------------------------------- checks and install
 def _need(cond: bool, what: str) -> None:
     if not cond:
@@ -410,6 +468,18 @@ def _plan() -> List[tuple]:
     _need(_params(fn) == ["self", "aux_hidden_states", "layer_idx", "hidden_states", "residual"],
           f"EagleModelMixin._maybe_add_hidden_state{inspect.signature(fn)} differs")
     plan.append((mixin, "_maybe_add_hidden_state", _eager_capture(fn)))
+
+    ccfg = mod("vllm.config.compilation")
+    cc, cmode = getattr(ccfg, "CompilationConfig", None), getattr(ccfg, "CompilationMode", None)
+    ib = getattr(cc, "init_backend", None)
+    _need(callable(ib) and _params(ib)[:2] == ["self", "vllm_config"],
+          "vllm.config.compilation.CompilationConfig.init_backend(self, vllm_config, ...) is missing")
+    one_graph = [getattr(cmode, m, None) for m in ("DYNAMO_TRACE_ONCE", "STOCK_TORCH_COMPILE")]
+    _need(all(m is not None for m in one_graph),
+          "CompilationMode.DYNAMO_TRACE_ONCE / STOCK_TORCH_COMPILE are missing")
+    _need('backend == "inductor"' in inspect.getsource(mod("vllm.compilation.wrapper")),
+          "vllm.compilation.wrapper no longer passes inductor_compile_config for backend 'inductor'")
+    plan.append((cc, "init_backend", _one_graph_backend(ib, one_graph)))
 
     cfg = mod("vllm.config")
     vcfg = getattr(cfg, "VllmConfig", None)
