@@ -239,7 +239,8 @@ def capture_style(cls: type) -> Optional[str]:
     return _style_of_class[cls]
 
 
-_adoption_told: set = set()
+#: (class, kind) pairs already named in a warning or log line: each is said once
+_told: set = set()
 
 
 def _plain_list_holder(holder: torch.nn.Module) -> bool:
@@ -250,16 +251,14 @@ def _plain_list_holder(holder: torch.nn.Module) -> bool:
     if capture_style(cls) != "plain list":
         return False
     hooked = list_adoption.install(holder)
-    if cls not in _adoption_told:
-        _adoption_told.add(cls)
-        if not hooked:
-            _warn(f"{cls.__qualname__} ({cls.__module__}) appends its captures to a plain [] "
-                  f"but has no layers to observe: its captures are packed by SGLang's torch.cat "
-                  f"as without the plugin")
-        else:
-            logger.info("%s (%s) appends its captures to a plain []: the list is adopted at its "
-                        "layer boundaries (%d modules hooked)", cls.__qualname__, cls.__module__,
-                        hooked)
+    if not hooked:
+        _warn_once(cls, "no layers", f"{cls.__qualname__} ({cls.__module__}) appends its captures "
+                   f"to a plain [] but has no layers to observe: its captures are packed by "
+                   f"SGLang's torch.cat as without the plugin")
+    elif (cls, "adopting") not in _told:
+        _told.add((cls, "adopting"))
+        logger.info("%s (%s) appends its captures to a plain []: the list is adopted at its "
+                    "layer boundaries (%d modules hooked)", cls.__qualname__, cls.__module__, hooked)
     return hooked > 0
 
 
@@ -284,8 +283,8 @@ def _report_adoption(adoption: list_adoption.ListAdoption) -> None:
 
 
 def _warn_once(cls: type, kind: str, msg: str) -> None:
-    if (cls, kind) not in _adoption_told:
-        _adoption_told.add((cls, kind))
+    if (cls, kind) not in _told:
+        _told.add((cls, kind))
         _warn(msg)
 
 
