@@ -196,15 +196,22 @@ def _split_ops_of(splitting_ops: Any) -> List[str]:
     return [op for op in (splitting_ops or []) if isinstance(op, str) and "::" in op]
 
 
+def _count_rewritten(results: Sequence[Any]) -> int:
+    """Add the pass results of graphs the plugin compiled to ``stats``; returns how many of
+    their capture groups were rewritten."""
+    rewritten = sum(1 for r in results for g in r.groups if g.decision.value == "rewrite")
+    stats["graphs_rewritten"] += len(results)
+    stats["groups_rewritten"] += rewritten
+    return rewritten
+
+
 def _rewrite_then_split(original: Callable) -> Callable:
     def split_graph(graph, splitting_ops, *args, **kwargs):
         try:
             from compile_pass import rewrite_graph
 
             result = rewrite_graph(graph, split_ops=_split_ops_of(splitting_ops), pack_outputs=True)
-            rewritten = sum(1 for g in result.groups if g.decision.value == "rewrite")
-            stats["graphs_rewritten"] += 1
-            stats["groups_rewritten"] += rewritten
+            rewritten = _count_rewritten([result])
             logger.info("compile_pass: %d capture group(s) rewritten before vLLM's split", rewritten)
         except Exception as e:  # never a failed compile: split the graph as is
             stats["rewrite_errors"] += 1
@@ -352,10 +359,7 @@ class _OneGraphCapture:
     def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
         done = len(self.backend.results)
         compiled = self.backend(gm, example_inputs)
-        new = self.backend.results[done:]
-        stats["graphs_rewritten"] += len(new)
-        stats["groups_rewritten"] += sum(1 for r in new for g in r.groups
-                                         if g.decision.value == "rewrite")
+        _count_rewritten(self.backend.results[done:])
         return compiled
 
     def __repr__(self) -> str:
