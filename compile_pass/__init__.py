@@ -21,6 +21,7 @@ from compile_pass.packer import (
     AuxHiddenStatePacker,
     AuxHiddenStates,
     pack_aux_hidden_states,
+    packed_view,
 )
 
 logging.getLogger("compile_pass").addHandler(logging.NullHandler())
@@ -29,12 +30,9 @@ logging.getLogger("compile_pass").addHandler(logging.NullHandler())
 _LAZY = {
     "AuxCaptureBackend": "compile_pass.backend",
     "aux_capture_backend": "compile_pass.backend",
-    "AuxCapturePass": "compile_pass.inductor_pass",
-    "CaptureTwinsPass": "compile_pass.inductor_pass",
-    "DistinctOutputsPass": "compile_pass.inductor_pass",
-    "PieceWritesPass": "compile_pass.inductor_pass",
-    "ReturnedCopiesPass": "compile_pass.inductor_pass",
-    "distinct_outputs_patches": "compile_pass.inductor_pass",
+    "Build": "compile_pass.inductor_pass",
+    "InductorPassSet": "compile_pass.inductor_pass",
+    "inductor_pass_set": "compile_pass.inductor_pass",
     "keep_outputs_distinct": "compile_pass.distinct_outputs",
     "PassResult": "compile_pass.capture_pass",
     "rewrite_graph": "compile_pass.capture_pass",
@@ -75,5 +73,6 @@ __all__ = [
     "AuxHiddenStatePacker",
     "AuxHiddenStates",
     "pack_aux_hidden_states",
+    "packed_view",
     *_LAZY,
 ]

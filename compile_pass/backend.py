@@ -36,7 +36,9 @@ is no ``cudagraphs`` inner: it was removed (see ``REMOVED_INNERS``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -68,7 +70,7 @@ REMOVED_INNERS = {
         "memory pool, one static packed buffer; docs/cuda-graphs.md)"
     ),
 }
-MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "lite")
 _BACKEND_KEYS = ("inner", "rewrite", "cost_model", "pack_outputs", "split_ops", "keep_code_before")
 
 CompiledFn = Callable[..., Any]
@@ -139,6 +141,11 @@ class AuxCaptureBackend:
                     f"inner only, not to inner={self._inner_name}"
                 )
         else:
+            from torch._inductor import list_mode_options
+
+            if self.mode not in (None, "default") and self.mode not in list_mode_options():
+                raise ValueError(f"mode={self.mode!r} needs a newer torch: torch {torch.__version__}'s "
+                                 f"Inductor modes are {', '.join(list_mode_options())}")
             unknown = sorted(set(self.inductor_options) - _inductor_config_keys())
             if unknown:
                 raise ValueError(
@@ -185,9 +192,11 @@ class AuxCaptureBackend:
 
         if self.rewrite and not warn_once_if_unsupported():
             counters["aux_capture"]["unsupported_torch"] += 1
-            # the same compile with the pass off: what rewrite=False compiles
-            return dataclasses.replace(self, rewrite=False, results=[], splits=[], twin_merges=[],
-                                       outputs_kept_distinct=[])(gm, example_inputs)
+            return self._without_pass()(gm, example_inputs)
+        if self.rewrite and self.inner == "inductor" and not self._post_grad_passes_run():
+            counters["aux_capture"]["post_grad_passes_off"] += 1
+            _warn_post_grad_passes_off()
+            return self._without_pass()(gm, example_inputs)
         if self.split_ops:
             return self._compile_split(gm, example_inputs)
         if self.inner == "eager":
@@ -204,6 +213,21 @@ class AuxCaptureBackend:
             # later, where the inner's own graph is final
             self._rewrite(gm, "dynamo_functional", concat=False, pack_outputs=True)
         return self._compile_piece(gm, example_inputs, rewrite_inside=True)
+
+    def _without_pass(self) -> "AuxCaptureBackend":
+        """The same compile with the pass off: what ``rewrite=False`` compiles."""
+        return dataclasses.replace(self, rewrite=False, results=[], splits=[], twin_merges=[],
+                                   outputs_kept_distinct=[])
+
+    def _post_grad_passes_run(self) -> bool:
+        """Whether Inductor will run its post-grad and joint-graph passes for this compile
+        (``use_post_grad_passes`` / ``use_joint_graph_passes``, torch >= 2.15: off in lite
+        mode, ``mode="lite"`` or ``TORCHINDUCTOR_LITE_MODE=1``)."""
+        import torch._inductor.config as inductor_config
+
+        patches = self._inductor_patches()
+        return all(patches.get(key, getattr(inductor_config, key, True))
+                   for key in ("use_post_grad_passes", "use_joint_graph_passes"))
 
     def _inductor_patches(self) -> Dict[str, Any]:
         """Inductor config for this compile: the mode's options, then the user's."""
@@ -295,28 +319,21 @@ class AuxCaptureBackend:
         (``CaptureTwinsPass``). ``rewrite_inside``: the pass runs on Inductor's post-grad
         graph; ``piece``: writes put in on the Dynamo graph of a split graph get
         ``PieceWritesPass``. ``boxed``: return a ``BoxedCall`` (see ``piecewise``)."""
-        import torch._inductor.config as inductor_config
         from torch._inductor.compile_fx import compile_fx
 
-        from compile_pass.inductor_pass import (CaptureTwinsPass, PieceWritesPass, chain_post_grad_passes,
-                                                distinct_outputs_patches)
+        from compile_pass.inductor_pass import Build, inductor_pass_set
         from compile_pass.piecewise import BoxedCall
 
-        patches = self._inductor_patches()
-        post_passes: List[Any] = []
-        if self.rewrite:
-            existing = patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass)
-            patches["post_grad_custom_pre_pass"] = chain_post_grad_passes(
-                existing, CaptureTwinsPass(self.twin_merges))
-            added = self._capture_pass() if rewrite_inside else PieceWritesPass() if piece else None
-            if added is not None:
-                post_passes.append(added)
-        post_pass = patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
-        for added in post_passes:
-            post_pass = chain_post_grad_passes(post_pass, added)
-        patches["post_grad_custom_post_pass"] = post_pass
-        # last, with the pass on or off: no returned copy handed back as a mutated input
-        distinct_outputs_patches(patches, self.outputs_kept_distinct)
+        if not self.rewrite:
+            build = Build.PASS_OFF
+        elif rewrite_inside:
+            build = Build.WHOLE_GRAPH
+        else:
+            build = Build.PIECES if piece else Build.REWRITTEN
+        passes = inductor_pass_set(build, twin_merges=self.twin_merges,
+                                   outputs_kept_distinct=self.outputs_kept_distinct,
+                                   capture_pass=self._capture_pass() if build is Build.WHOLE_GRAPH else None)
+        patches = passes.config_patches(self._inductor_patches())
         if not boxed:
             return compile_fx(gm, example_inputs, config_patches=patches)
         from torch._dynamo.utils import GmWrapper
@@ -347,6 +364,23 @@ class AuxCaptureBackend:
             partition_fn=min_cut_rematerialization_partition,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
+
+
+_post_grad_off_warned: List[bool] = []
+
+
+def _warn_post_grad_passes_off() -> None:
+    """Once per process: Inductor's post-grad passes are off, so is the capture pass."""
+    if _post_grad_off_warned:
+        return
+    _post_grad_off_warned.append(True)
+    message = ("compile_pass: Inductor's post-grad and joint-graph passes are off for this compile "
+               "(lite mode: torch.compile(mode='lite') or TORCHINDUCTOR_LITE_MODE=1, or "
+               "use_post_grad_passes / use_joint_graph_passes set False). The capture pass needs "
+               "them, so it is off: compiled as with options={'rewrite': False}, and the captures "
+               "take the list path's memory.")
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    logging.getLogger("compile_pass").warning(message)
 
 
 def _inputs_as_given(args: List[Any]) -> List[Any]:

@@ -1,39 +1,41 @@
-"""``AuxCapturePass``: the capture pass as an Inductor post-grad custom pass.
+"""The capture pass's Inductor custom passes, and the set one compile installs.
 
-    torch._inductor.config.post_grad_custom_post_pass = compile_pass.AuxCapturePass()
+One function wires them: ``inductor_pass_set(build)`` returns the passes a kind of compile
+needs (``Build``), each for its slot, and ``InductorPassSet.config_patches()`` chains them
+after whatever the compile's config already has there, for that compile only::
 
-It runs on Inductor's post-grad graph (functional aten IR, before reinplacing and
-lowering) with Inductor's cost model: a group is rewritten only where the estimated peak
-drops once pointwise and mm producers, which Inductor's concat lowering already computes
-into the concat's output, are taken into account. Writes are the mutating
-``compile_pass::write_slice_`` op, which Inductor lowers as an in-place fallback call.
+    passes = compile_pass.inductor_pass_set(Build.WHOLE_GRAPH)
+    torch.compile(model, options=passes.config_patches())
 
-``CaptureTwinsPass`` is the post-grad *pre* pass (before Inductor's pattern passes): a
-capture that recomputes a value the model computes itself reads the model's value instead
-(``twins.py``), so the model compiles as it does without captures. The ``aux_capture``
-backend installs it whenever the pass is on; set it yourself next to ``AuxCapturePass``::
+The backend, the vLLM plugin and the SGLang plugin all build their passes with it. The
+passes, for engine authors who place them themselves:
 
-    torch._inductor.config.post_grad_custom_pre_pass = compile_pass.CaptureTwinsPass()
+- ``AuxCapturePass`` (post-grad post pass): the capture pass on Inductor's post-grad graph
+  (functional aten IR, before reinplacing and lowering), with Inductor's cost model. Writes
+  are the mutating ``compile_pass::write_slice_`` op, lowered as an in-place fallback call.
+- ``CaptureTwinsPass`` (post-grad *pre* pass, before Inductor's pattern passes): a capture
+  that recomputes a value the model computes itself reads the model's value instead
+  (``twins.py``), so the model compiles as it does without captures.
+- ``PieceWritesPass`` (post-grad post pass): pieces of a split graph whose writes were put
+  in on the Dynamo graph (``reinplace.write_from_twins``).
+- ``ReturnedCopiesPass`` (joint-graph pre pass) and ``DistinctOutputsPass`` (post-grad,
+  after every pass that drops clones): a returned copy stays distinct from the graph input
+  a mutating op writes (``distinct_outputs.py``: stock Inductor may return the mutated
+  residual itself for a ``residual.clone()`` capture). Every Inductor compile gets both,
+  the capture pass on or off.
 
-``PieceWritesPass`` is the post-grad pass for pieces of a split graph, whose writes were
-put in on the Dynamo graph.
-
-``ReturnedCopiesPass`` (joint-graph pre pass) and ``DistinctOutputsPass`` (post-grad, last)
-keep a returned copy distinct from the graph input a mutating op writes
-(``distinct_outputs.py``: stock Inductor may return the mutated residual itself for a
-``residual.clone()`` capture). The backend installs both on every Inductor graph, with the
-capture pass on or off (``distinct_outputs_patches``); engine integrations add both to
-their Inductor config.
-
-``uuid()`` hashes the package's source files and the pass's options, so the FX graph
-cache misses whenever either changes and hits otherwise. It is a ``str`` (hex digest):
-vLLM serializes pass uuids into its config hash as JSON.
+``uuid()`` hashes the source files the passes execute and the pass's options
+(``source_hash``), so the FX graph cache misses whenever either changes and hits
+otherwise. It is a ``str`` (hex digest): vLLM serializes pass uuids into its config hash
+as JSON.
 """
 
 from __future__ import annotations
 
+import enum
 import os
-from typing import Any, Callable, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -43,8 +45,9 @@ from torch._dynamo.utils import counters
 from compile_pass.capture_pass import PassResult, run_capture_pass
 from compile_pass.twins import TwinMerge, merge_capture_twins
 
-__all__ = ["AuxCapturePass", "CaptureTwinsPass", "DistinctOutputsPass", "PieceWritesPass", "ReturnedCopiesPass",
-           "distinct_outputs_patches", "source_hash"]
+__all__ = ["AuxCapturePass", "Build", "CaptureTwinsPass", "DistinctOutputsPass", "InductorPassSet",
+           "PieceWritesPass", "ReturnedCopiesPass", "chain_post_grad_passes", "inductor_pass_set",
+           "source_hash"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -195,17 +198,85 @@ class _ChainedPass(CustomGraphPass):
         return f"{first}+{second}"
 
 
-def distinct_outputs_patches(patches: dict, replaced: Optional[List[str]] = None) -> dict:
-    """``patches`` (an Inductor config patch dict, changed in place and returned) with
-    ``ReturnedCopiesPass`` chained after its ``joint_custom_pre_pass`` and
-    ``DistinctOutputsPass`` after its ``post_grad_custom_post_pass`` (each falling back to
-    Inductor's current config). ``replaced``: where the post pass lists what it replaced."""
-    import torch._inductor.config as inductor_config
+class Build(enum.Enum):
+    """What kind of compile a set of Inductor passes is for (``inductor_pass_set``)."""
 
-    for key, added in (("joint_custom_pre_pass", ReturnedCopiesPass()),
-                       ("post_grad_custom_post_pass", DistinctOutputsPass(replaced))):
-        patches[key] = chain_post_grad_passes(patches.get(key, getattr(inductor_config, key)), added)
-    return patches
+    #: the capture pass runs in Inductor's own post-grad graph (``AuxCapturePass``)
+    WHOLE_GRAPH = "whole_graph"
+    #: pieces of a graph whose capture writes were put in before the split (``PieceWritesPass``)
+    PIECES = "pieces"
+    #: a graph rewritten before AOTAutograd (the lifted inductor inner): twins merged only
+    REWRITTEN = "rewritten"
+    #: the capture pass off: only returned copies kept distinct from mutated inputs
+    PASS_OFF = "pass_off"
+
+
+@dataclass(frozen=True)
+class InductorPassSet:
+    """The custom Inductor passes one compile needs, each for the slot it must run in.
+
+    - ``joint_pre`` (``joint_custom_pre_pass``): ``ReturnedCopiesPass``, before Inductor's
+      ``remove_noop_ops`` drops returned clones;
+    - ``post_grad_pre`` (``post_grad_custom_pre_pass``): ``CaptureTwinsPass``, before
+      Inductor's pattern passes, so the model compiles as without captures (None: pass off);
+    - ``post_grad_post`` (``post_grad_custom_post_pass``): the capture or piece-writes pass
+      (None where the graph was rewritten before, or the pass is off);
+    - ``post_grad_last``: ``DistinctOutputsPass``, after every pass that drops clones and
+      before anything that removes functionalized ops (``config_patches`` chains it last
+      in ``post_grad_custom_post_pass``; an engine whose own post-grad passes drop clones
+      places it after them).
+    """
+
+    build: Build
+    joint_pre: ReturnedCopiesPass
+    post_grad_pre: Optional[CaptureTwinsPass]
+    post_grad_post: Optional[CustomGraphPass]
+    post_grad_last: DistinctOutputsPass
+
+    def config_patches(self, patches: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """Inductor config patches for one compile (``compile_fx(config_patches=...)`` or
+        ``torch.compile(options=...)``): ``patches`` (copied; default empty) with each pass
+        chained after what it, or else Inductor's current config, has in its slot."""
+        import torch._inductor.config as inductor_config
+
+        out = dict(patches or {})
+
+        def existing(key: str) -> Any:
+            return out.get(key, getattr(inductor_config, key))
+
+        if self.post_grad_pre is not None:
+            out["post_grad_custom_pre_pass"] = chain_post_grad_passes(
+                existing("post_grad_custom_pre_pass"), self.post_grad_pre)
+        post = existing("post_grad_custom_post_pass")
+        if self.post_grad_post is not None:
+            post = chain_post_grad_passes(post, self.post_grad_post)
+        out["post_grad_custom_post_pass"] = chain_post_grad_passes(post, self.post_grad_last)
+        out["joint_custom_pre_pass"] = chain_post_grad_passes(existing("joint_custom_pre_pass"),
+                                                              self.joint_pre)
+        return out
+
+
+def inductor_pass_set(build: Build, *, capture_pass: Optional[AuxCapturePass] = None,
+                      twin_merges: Optional[List[TwinMerge]] = None,
+                      outputs_kept_distinct: Optional[List[str]] = None) -> InductorPassSet:
+    """The Inductor passes a ``build`` needs, scoped to the compile that installs them.
+
+    ``capture_pass``: the ``AuxCapturePass`` of a ``WHOLE_GRAPH`` build (default: one with
+    the cost model on); ``twin_merges`` / ``outputs_kept_distinct``: lists the twins pass and
+    the distinct-outputs pass append what they did to (a backend's records).
+    """
+    if not isinstance(build, Build):
+        raise TypeError(f"build must be a compile_pass.inductor_pass.Build, got {build!r}")
+    if capture_pass is not None and build is not Build.WHOLE_GRAPH:
+        raise ValueError(f"capture_pass is for Build.WHOLE_GRAPH, not {build}")
+    post: Optional[CustomGraphPass] = None
+    if build is Build.WHOLE_GRAPH:
+        post = capture_pass if capture_pass is not None else AuxCapturePass()
+    elif build is Build.PIECES:
+        post = PieceWritesPass()
+    twins = None if build is Build.PASS_OFF else CaptureTwinsPass(twin_merges)
+    return InductorPassSet(build, ReturnedCopiesPass(), twins, post,
+                           DistinctOutputsPass(outputs_kept_distinct))
 
 
 def chain_post_grad_passes(existing: Optional[Callable[[fx.Graph], None]],

@@ -28,6 +28,7 @@ __all__ = [
     "AuxHiddenStates",
     "AuxHiddenStateAccumulator",
     "pack_aux_hidden_states",
+    "packed_view",
 ]
 
 #: What a model hands its caller: one packed ``[*leading, K * hidden]`` tensor or the K captures.
@@ -249,8 +250,20 @@ class AuxHiddenStatePacker:
 AuxHiddenStateAccumulator = Union[AuxHiddenStateList, AuxHiddenStatePacker]
 
 
-def _adjacent_view(captures: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The packed view if ``captures`` are adjacent last-dim slices of one buffer, in order."""
+def packed_view(captures: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``torch.cat(captures, dim=-1)`` without a copy, where that is possible; else None.
+
+    The contract between the capture side (the packer, the pass's ``pack_outputs``, the
+    engine plugins' static buffers) and the consumer side (an engine's concat): when the
+    captures are adjacent last-dim slices of one buffer, in order (same dtype, device,
+    leading shape and strides, unit stride in the last dim, each starting where the
+    previous one ends), the packed result is a view of that buffer and equals the concat
+    bit for bit. Anything else (a gather, separate tensors, a gap, another order) is None,
+    and the caller concatenates. Never called inside a traced graph (storages are not
+    real there): callers check ``torch.compiler.is_compiling()`` first.
+    """
+    if len(captures) == 0 or not all(isinstance(t, torch.Tensor) for t in captures):
+        return None
     first = captures[0]
     if first.dim() < 1 or first.stride(-1) != 1:
         return None
@@ -298,7 +311,7 @@ def pack_aux_hidden_states(aux_hidden_states: AuxHiddenStates) -> torch.Tensor:
     if len(aux_hidden_states) == 1:
         return aux_hidden_states[0]
     if not torch.compiler.is_compiling():
-        view = _adjacent_view(aux_hidden_states)
+        view = packed_view(aux_hidden_states)
         if view is not None:
             return view
     return torch.cat(list(aux_hidden_states), dim=-1)

@@ -30,10 +30,6 @@ import models.dflash  # noqa: E402
 import models.llama  # noqa: E402
 from compile_pass import (  # noqa: E402
     AuxCaptureBackend,
-    AuxCapturePass,
-    CaptureTwinsPass,
-    DistinctOutputsPass,
-    ReturnedCopiesPass,
     Decision,
     PassResult,
     Producer,
@@ -41,6 +37,8 @@ from compile_pass import (  # noqa: E402
     aux_capture_backend,
 )
 from compile_pass.backend import INNERS, MODES, aux_capture, backend_from_options  # noqa: E402
+from compile_pass.inductor_pass import (AuxCapturePass, CaptureTwinsPass,  # noqa: E402
+                                        DistinctOutputsPass, ReturnedCopiesPass)
 
 WRITE_OP = "torch.ops.compile_pass.write_slice_.default("
 
@@ -351,6 +349,35 @@ def test_valid_modes_and_options_construct():
     backend = backend_from_options("max-autotune-no-cudagraphs", {"epilogue_fusion": False})
     assert backend.inner == "inductor" and backend.inductor_options == {"epilogue_fusion": False}
     assert backend_from_options("default", {"inner": "eager"}).mode == "default"
+
+
+@pytest.mark.parametrize("kwargs", [dict(mode="lite"), dict(options={"use_post_grad_passes": False})],
+                         ids=["mode-lite", "post-grad-passes-off"])
+def test_lite_mode_turns_the_pass_off_out_loud(monkeypatch, kwargs):
+    """Inductor's lite mode skips every post-grad and joint-graph pass, this project's too:
+    the backend says so (a warning and a counter) and compiles as with ``rewrite=False``,
+    never a silently half-applied pass."""
+    import compile_pass.backend as backend_module
+
+    seen = []
+
+    def fake_compile_fx(gm, example_inputs, config_patches=None):
+        seen.append(dict(config_patches))
+        return gm.forward
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", fake_compile_fx)
+    monkeypatch.setattr(backend_module, "_post_grad_off_warned", [])
+    torch._dynamo.reset()
+    before = counters["aux_capture"]["post_grad_passes_off"]
+    x = torch.randn(4)
+    with pytest.warns(RuntimeWarning, match=r"post-grad and joint-graph passes are off .*lite mode.*"
+                                            r"capture pass needs them, so it is off"):
+        out = torch.compile(_tiny_fn, backend="aux_capture", **kwargs)(x)
+    assert torch.equal(out, _tiny_fn(x))
+    assert counters["aux_capture"]["post_grad_passes_off"] == before + 1
+    # the pass-off compile: no capture-twins pre pass, only the distinct-outputs pair
+    assert "post_grad_custom_pre_pass" not in seen[-1]
+    assert isinstance(seen[-1]["post_grad_custom_post_pass"], DistinctOutputsPass)
 
 
 @pytest.mark.parametrize("kwargs,match", [

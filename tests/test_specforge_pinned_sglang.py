@@ -31,9 +31,11 @@ def _bench(tmp_path, **env_extra):
 
 
 def test_plugin_enables_the_compiler_way_in_on_the_plain_list_layout():
-    from compile_pass.integrations import sglang_compile
+    from compile_pass.integrations.seams import report
+    from compile_pass.integrations.sglang_seams import PLAIN_LIST, layout, probe_sglang
 
-    assert sglang_compile.layout_present() is None
+    probes = probe_sglang()
+    assert layout(probes) == PLAIN_LIST, report(probes)
     import importlib.util
 
     assert importlib.util.find_spec("sglang.srt.layers.aux_hidden_states") is None

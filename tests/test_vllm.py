@@ -1,4 +1,5 @@
-"""The vLLM plugin against the real vllm 0.33.0 package (``make vllm``; skipped without vllm).
+"""The vLLM plugin against the real vllm package, each tested minor in its own venv
+(``make vllm``: 0.33.0 and 0.34.0; skipped without vllm).
 
 Decoders built the way vLLM builds models (``@support_torch_compile``, VllmConfig with
 mode VLLM_COMPILE, split at an attention custom op), compiled by vLLM's own stack with
@@ -156,8 +157,9 @@ def test_init_backend_wraps_only_one_graph_modes_stock_names(plugin_off, monkeyp
         assert got.backend.pack_outputs
     assert got.backend.inductor_options == {}
     cfg = H.vllm_config("inductor", mode="DYNAMO_TRACE_ONCE")
+    users = dict(cfg.compilation_config.inductor_compile_config)
     inductor = cfg.compilation_config.init_backend(cfg)
-    assert inductor.backend.inductor_options == dict(cfg.compilation_config.inductor_compile_config)
+    assert inductor.backend.inductor_options == users  # the backend installs its own passes
     cfg = H.vllm_config("aot_eager", mode="DYNAMO_TRACE_ONCE")
     assert cfg.compilation_config.init_backend(cfg) == "aot_eager"
 
@@ -166,7 +168,9 @@ def test_init_backend_wraps_only_one_graph_modes_stock_names(plugin_off, monkeyp
 
     monkeypatch.setattr(plugin._OneGraphCapture, "__init__", broken)
     cfg = H.vllm_config("inductor", mode="DYNAMO_TRACE_ONCE")
+    users = dict(cfg.compilation_config.inductor_compile_config)
     assert cfg.compilation_config.init_backend(cfg) == "inductor"
+    assert cfg.compilation_config.inductor_compile_config == users  # stock Inductor as without us
 
 
 def test_vllm_inductor_pieces_clone_captures(plugin_off):
@@ -193,6 +197,30 @@ def test_vllm_inductor_pieces_native_norm(plugin_off):
     assert torch.equal(h_on, h_off) and torch.equal(packed_on, packed_off)
     for (a, aux_a), (b, aux_b) in zip(others_on, others_off):
         assert torch.equal(a, b) and torch.equal(_speculator_cat(aux_a), torch.cat(aux_b, -1))
+
+
+def test_vllm_inductor_pieces_capturing_leaves_the_model_bitwise(plugin_off):
+    """Capturing ``hidden + residual`` before a norm that computes the same sum (vLLM's
+    ``forward_native`` style) gives the down projection's ``mm`` a second reader in capture
+    layers, and Inductor then stops folding ``mm + residual`` into ``addmm`` there (measured:
+    16 addmm without captures, 11 with 5 captures: benchmarks/vllm_numerics.py), which rounds
+    differently. The plugin wires ``CaptureTwinsPass`` into every piece's post-grad pre pass:
+    with captures the model's output is bitwise the build without captures."""
+    kw = dict(style="native", hidden=512, intermediate=1024)
+    ref = H.build("none", capture_at=CAPTURES, **kw)[0]
+    assert plugin.install()
+    torch.manual_seed(4)
+    x = torch.randn(256, 512)
+    outs = {}
+    for caps in ((), CAPTURES):
+        model, run, _ = H.build("inductor", capture_at=caps, **kw)
+        model.load_state_dict(ref.state_dict())
+        outs[bool(caps)] = run(x)
+    assert torch.equal(outs[True][0], outs[False][0])
+    with torch.no_grad():
+        _, raux = ref(x)
+    packed = _speculator_cat(outs[True][1])
+    assert torch.allclose(packed, torch.cat(raux, -1), rtol=0, atol=1e-5)
 
 
 def test_vllm_inductor_pieces_keep_returned_clones_distinct(plugin_off, monkeypatch):
@@ -225,7 +253,7 @@ def test_vllm_inductor_pieces_keep_returned_clones_distinct(plugin_off, monkeypa
         assert torch.equal(h, rh)
         assert len(aux) == len(raux) and all(torch.equal(a, b) for a, b in zip(aux, raux))
     assert plugin.stats["rewrite_errors"] > before["rewrite_errors"]
-    assert plugin.stats["joint_pre_passes"] > before["joint_pre_passes"]
+    assert plugin.stats["configs_wired"] > before["configs_wired"]
     assert plugin.stats["distinct_passes"] > before["distinct_passes"]
     assert counters["aux_capture"]["outputs_kept_distinct"] >= kept + len(CAPTURES)
 
@@ -251,35 +279,96 @@ def test_entry_point_is_registered():
     assert eps["aux_capture"].load() is plugin.register
 
 
-def test_a_vllm_that_differs_gets_a_warning_and_no_patch(plugin_off, monkeypatch):
-    import vllm.compilation.backends as backends
-    import vllm.v1.worker.gpu_model_runner as runner
+def _concat_modules():
+    """The runner / speculator modules whose concat the plugin makes a view, in this vLLM."""
+    import importlib.util
 
-    def split_graph(gm, ops, extra):  # another signature
+    return [importlib.import_module(name) for name, _, _ in plugin.CONCAT_SITES
+            if importlib.util.find_spec(name) is not None]
+
+
+def test_every_seam_fits_this_vllm():
+    """The probes find every seam the plugin relies on in this tested release; the V1 runner
+    (and its concat) exists before 0.34 and is gone from 0.34 on (an optional seam)."""
+    from compile_pass.integrations.seams import report
+
+    probes = plugin.probe_vllm()
+    assert all(p.fits for p in probes), report(probes)
+    assert plugin.is_tested(plugin.vllm_version())
+    v1 = next(p for p in probes if p.seam.name == "vllm.v1.worker.gpu_model_runner.torch")
+    minor = tuple(int(x) for x in plugin.vllm_version().split(".")[:2])
+    assert v1.state == ("absent" if minor >= (0, 34) else "ok"), v1
+    assert len(_concat_modules()) == (2 if minor >= (0, 34) else 3)
+    routes = [p for p in probes if p.seam.is_route]
+    assert len(routes) == 2 and all(not p.patches for p in routes)
+
+
+def _unpatched():
+    """The objects the plugin would replace, as vLLM has them now."""
+    import vllm.compilation.backends as backends
+    from vllm.config.compilation import CompilationConfig
+
+    return (backends.split_graph, CompilationConfig.__dict__["init_backend"],
+            *[m.torch for m in _concat_modules()])
+
+
+def test_a_seam_that_moved_is_named_and_nothing_is_patched(plugin_off, monkeypatch):
+    import vllm.compilation.backends as backends
+
+    def split_graph(gm, ops_in_another_order_and_name):  # another signature
         raise AssertionError
 
     monkeypatch.setattr(backends, "split_graph", split_graph)
-    torch_before = runner.torch
-    with pytest.warns(RuntimeWarning, match="split_graph"):
+    before = _unpatched()
+    with pytest.warns(RuntimeWarning, match=r"split_graph: moved \(split_graph\['gm'"):
         assert not plugin.install()
-    assert backends.split_graph is split_graph and runner.torch is torch_before
-    assert not plugin.is_active()
+    assert _unpatched() == before and not plugin.is_active()
+    # a required seam that is gone entirely: named as well
     monkeypatch.undo()
-    monkeypatch.setattr(plugin, "SUPPORTED", "0.99")
-    with pytest.warns(RuntimeWarning, match="written for vllm 0.99"):
+    import vllm.model_executor.models.interfaces as itf
+
+    monkeypatch.delattr(itf.EagleModelMixin, "_maybe_add_hidden_state")
+    with pytest.warns(RuntimeWarning, match="_maybe_add_hidden_state is missing"):
         assert not plugin.install()
+    assert not plugin.is_active()
+
+
+def test_an_untested_minor_stays_off_unless_asked(plugin_off, monkeypatch):
+    """A vLLM minor not in TESTED: off, the warning says what the probes found and how to
+    try it anyway; with COMPILE_PASS_VLLM_UNTESTED=1 the probes alone decide."""
+    monkeypatch.setattr(plugin, "TESTED", ("0.99",))
+    monkeypatch.delenv(plugin.ENV_UNTESTED, raising=False)
+    before = _unpatched()
+    with pytest.warns(RuntimeWarning, match=r"is not a tested release \(tested: 0.99.x\); all 10 seams fit"
+                                            r".*To try it anyway set COMPILE_PASS_VLLM_UNTESTED=1"):
+        assert not plugin.install()
+    assert _unpatched() == before
+    monkeypatch.setenv(plugin.ENV_UNTESTED, "1")
+    assert plugin.install() and plugin.is_active()
+
+
+def _cache_key(config):
+    """vLLM's compile-cache factors of ``config`` (``compile_factors`` from 0.34 on)."""
+    return config.compile_factors() if hasattr(config, "compile_factors") else config.compute_hash()
 
 
 def test_compile_cache_key_changes_with_the_plugin(plugin_off):
-    config = H.vllm_config("eager")
-    off = config.compute_hash()
-    assert plugin.install()
-    on = config.compute_hash()
+    """vLLM's own cache factors (no patch): the plugin's passes in ``inductor_compile_config``
+    carry its uuid, so a config whose backend was built with the plugin on hashes apart from
+    one built without it, and two plugin-on builds hash alike."""
+    keys = {}
+    for on in (False, True, True):
+        if on:
+            assert plugin.install()
+        config = H.vllm_config("inductor")
+        config.compilation_config.init_backend(config)
+        keys.setdefault(on, []).append(_cache_key(config))
     plugin.uninstall()
-    assert on != off and len(on) == len(off) and config.compute_hash() == off
+    off_again = H.vllm_config("inductor")
+    off_again.compilation_config.init_backend(off_again)
+    assert keys[True][0] == keys[True][1] != keys[False][0] == _cache_key(off_again)
     # this project's passes hash as vLLM expects: str uuids
     from vllm.compilation.passes.inductor_pass import InductorPass
-    from compile_pass.inductor_pass import ReturnedCopiesPass
 
     class Elim(InductorPass):
         def __call__(self, graph):
@@ -288,9 +377,46 @@ def test_compile_cache_key_changes_with_the_plugin(plugin_off):
         def uuid(self):
             return "elim"
 
-    pieces = [plugin._piece_pass_class(InductorPass)(), plugin._distinct_after_class(InductorPass)(Elim()),
-              ReturnedCopiesPass()]
-    assert all(isinstance(p.uuid(), str) for p in pieces)
+    assert plugin.install()
+    config = H.vllm_config("inductor")
+    config.compilation_config.init_backend(config)
+    steps = [config.compilation_config.inductor_compile_config[s] for s in plugin._SLOTS]
+    assert all(isinstance(p, InductorPass) and isinstance(p.uuid(), str) for p in steps)
+    assert isinstance(plugin._distinct_after_class(InductorPass)(Elim()).uuid(), str)
+
+
+def test_passes_wired_into_vllms_config(plugin_off):
+    """Plugin on: each Inductor slot holds the user's pass (run first) then this project's;
+    wiring twice adds nothing; the one-graph backend gets the user's config only."""
+    from compile_pass.inductor_pass import CaptureTwinsPass, PieceWritesPass, ReturnedCopiesPass
+
+    calls = []
+
+    def users_pass(graph):
+        calls.append("user")
+
+    assert plugin.install()
+    config = H.vllm_config("inductor")
+    cc = config.compilation_config
+    cc.inductor_compile_config["post_grad_custom_pre_pass"] = users_pass
+    cc.init_backend(config)
+    cc.init_backend(config)
+    slots = cc.inductor_compile_config
+    assert [type(slots[s].ours) for s in plugin._SLOTS] == [ReturnedCopiesPass, CaptureTwinsPass,
+                                                             PieceWritesPass]
+    assert slots["post_grad_custom_pre_pass"].before is users_pass
+    assert slots["joint_custom_pre_pass"].before is None
+    slots["post_grad_custom_pre_pass"](torch.fx.Graph())
+    assert calls == ["user"]
+    one = H.vllm_config("inductor", mode="DYNAMO_TRACE_ONCE")
+    one.compilation_config.inductor_compile_config["post_grad_custom_pre_pass"] = users_pass
+    users = dict(one.compilation_config.inductor_compile_config)
+    backend = one.compilation_config.init_backend(one)
+    assert backend.backend.inductor_options == users
+    plugin.uninstall()
+    off = H.vllm_config("inductor")
+    off.compilation_config.init_backend(off)
+    assert not any(k in off.compilation_config.inductor_compile_config for k in plugin._SLOTS)
 
 
 def test_full_cudagraph_keeps_one_static_buffer(plugin_off):
@@ -317,21 +443,28 @@ def test_full_cudagraph_keeps_one_static_buffer(plugin_off):
     assert "packed_aux_buffer" not in mgr2.__dict__  # plugin off: vLLM's K buffers
 
 
-def test_v1_runner_cat_is_a_view_only_for_adjacent_slices(plugin_off):
-    import vllm.v1.worker.gpu_model_runner as runner
-
+def test_runner_cats_are_views_only_for_adjacent_slices(plugin_off):
+    """Every concat site the plugin patches in this vLLM (MRV2's Eagle3 and DFlash
+    speculators; the V1 runner before 0.34): a view for adjacent slices, a copy for a
+    gather, torch's own cat otherwise."""
     assert plugin.install()
+    modules = _concat_modules()
+    assert modules
     buf = torch.randn(64, 3 * 16)
     aux = [buf[:, i * 16:(i + 1) * 16] for i in range(3)]
     n = 40
-    view = runner.torch.cat([h[:n] for h in aux], dim=-1)  # propose_draft_token_ids
-    assert view.data_ptr() == buf.data_ptr() and torch.equal(view, buf[:n])
-    idx = torch.tensor([3, 1, 7])
-    gathered = runner.torch.cat([h[idx] for h in aux], dim=-1)  # a gather: still a copy
-    assert torch.equal(gathered, buf[idx]) and gathered.data_ptr() != buf.data_ptr()
-    separate = [torch.randn(8, 4) for _ in range(3)]
-    assert torch.equal(runner.torch.cat(separate, dim=-1), torch.cat(separate, dim=-1))
-    assert torch.equal(runner.torch.cat(separate), torch.cat(separate))  # other dims untouched
+    for m in modules:
+        view = m.torch.cat([h[:n] for h in aux], dim=-1)  # propose_draft_token_ids, DFlash
+        assert view.data_ptr() == buf.data_ptr() and torch.equal(view, buf[:n])
+        idx = torch.tensor([3, 1, 7])
+        gathered = m.torch.cat([h[idx] for h in aux], dim=-1)  # a gather: still a copy
+        assert torch.equal(gathered, buf[idx]) and gathered.data_ptr() != buf.data_ptr()
+        separate = [torch.randn(8, 4) for _ in range(3)]
+        assert torch.equal(m.torch.cat(separate, dim=-1), torch.cat(separate, dim=-1))
+        assert torch.equal(m.torch.cat(separate), torch.cat(separate))  # other dims untouched
+        staged = torch.empty(n, 48)
+        m.torch.cat([h[:n] for h in aux], dim=-1, out=staged)  # DFlash's FULL-graph staging
+        assert torch.equal(staged, buf[:n])
 
 
 def test_uncompiled_models_capture_into_one_buffer(plugin_off):

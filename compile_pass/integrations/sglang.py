@@ -52,12 +52,14 @@ import logging
 import os
 import pathlib
 import re
-import warnings
 from typing import Any, Optional
 
 import torch
 
 from compile_pass.integrations import list_adoption
+from compile_pass.integrations.sglang_seams import (AUX_MODULE, PACKING_LIST, PLAIN_LIST, RUNNER_FORWARD,
+                                                    layout, layout_problems, probe_sglang)
+from compile_pass.integrations.sglang_seams import warn as _warn
 from compile_pass.packer import pack_aux_hidden_states as _cp_pack
 
 __all__ = ["register", "enable", "enabled_by_env", "PackingAuxHiddenStateList", "pack_view",
@@ -67,8 +69,6 @@ logger = logging.getLogger("compile_pass.sglang")
 
 ENV = "COMPILE_PASS_SGLANG"
 ENV_COMPILE = "COMPILE_PASS_SGLANG_COMPILE"
-AUX_MODULE = "sglang.srt.layers.aux_hidden_states"
-RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
 #: the Inductor config keys the plugin chains its passes onto
 INDUCTOR_KEYS = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass", "joint_custom_pre_pass")
 
@@ -80,11 +80,6 @@ _num_captures: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
 STATE: dict = {"active": False, "reason": "not registered", "layout": None, "orig_list": None,
                "orig_pack": None, "fallbacks": 0, "packed": 0, "adopted": 0, "adoption": None,
                "inductor": {}}
-
-
-def _warn(msg: str) -> None:
-    warnings.warn(f"compile_pass SGLang plugin: {msg}", RuntimeWarning, stacklevel=3)
-    logger.warning(msg)
 
 
 def enabled_by_env() -> bool:
@@ -339,8 +334,7 @@ def _set_compile_pass() -> None:
     try:
         import torch._inductor.config as ic
 
-        from compile_pass.inductor_pass import (AuxCapturePass, CaptureTwinsPass,
-                                                chain_post_grad_passes, distinct_outputs_patches)
+        from compile_pass.inductor_pass import Build, inductor_pass_set
     except Exception as e:  # torch without the APIs the pass needs
         _warn(f"the capture pass is not set for --enable-torch-compile ({e!r})")
         return
@@ -349,13 +343,13 @@ def _set_compile_pass() -> None:
         _warn(f"torch._inductor.config has no {', '.join(missing)}: the capture pass is not set "
               f"for --enable-torch-compile")
         return
-    patches = {
-        "post_grad_custom_pre_pass": chain_post_grad_passes(ic.post_grad_custom_pre_pass,
-                                                            CaptureTwinsPass()),
-        "post_grad_custom_post_pass": chain_post_grad_passes(ic.post_grad_custom_post_pass,
-                                                             AuxCapturePass()),
-    }
-    distinct_outputs_patches(patches)  # ReturnedCopiesPass / DistinctOutputsPass chained last
+    off = [k for k in ("use_post_grad_passes", "use_joint_graph_passes") if not getattr(ic, k, True)]
+    if off:
+        _warn(f"torch._inductor.config.{' and '.join(off)} is False (lite mode: "
+              f"TORCHINDUCTOR_LITE_MODE=1?): Inductor would skip the capture pass, so it is not set "
+              f"for --enable-torch-compile")
+        return
+    patches = inductor_pass_set(Build.WHOLE_GRAPH).config_patches()
     for key, value in patches.items():
         setattr(ic, key, value)
     STATE["inductor"] = {k: repr(v) for k, v in patches.items()}
@@ -364,41 +358,37 @@ def _set_compile_pass() -> None:
 def enable(*, registry: Any = None, apply: bool = True) -> bool:
     """Register the hooks (and apply them unless ``apply=False``); True when active.
 
-    Idempotent. Anything unexpected: a warning naming it, nothing registered.
+    Idempotent. The seams are probed first (``sglang_seams``): the layout whose seams all
+    fit is used; if none does, a warning names what moved and nothing is registered.
     """
     if STATE["active"]:
         return True
-    try:
-        import importlib
-
-        aux = importlib.import_module(AUX_MODULE)
-        if registry is None:
-            from sglang.srt.plugins.hook_registry import HookRegistry as registry  # noqa: N813
-        from sglang.srt.plugins.hook_registry import HookType
-    except Exception as e:
-        return _enable_plain_list_layout(registry, apply, e)
-    orig_list = getattr(aux, "AuxHiddenStateList", None)
-    orig_pack = getattr(aux, "pack_aux_hidden_states", None)
-    problems = []
-    if getattr(orig_list, "_cp_original", None) is not None:
-        orig_list = orig_list._cp_original  # already ours (a second registry): keep the original
-    if not (isinstance(orig_list, type) and issubclass(orig_list, list)
-            and callable(getattr(orig_list, "capture", None))):
-        problems.append(f"{AUX_MODULE}.AuxHiddenStateList is {orig_list!r}, not a list class "
-                        "with capture()")
-    if not callable(orig_pack):
-        problems.append(f"{AUX_MODULE}.pack_aux_hidden_states is missing")
-    try:
-        from sglang.srt.model_executor.model_runner import ModelRunner
-        if not callable(getattr(ModelRunner, "forward", None)):
-            problems.append("ModelRunner.forward is missing")
-    except Exception as e:
-        problems.append(f"sglang.srt.model_executor.model_runner does not import ({e!r})")
-    if problems:
-        STATE["reason"] = "; ".join(problems)
+    probes = probe_sglang()
+    which = layout(probes)
+    if which is None:
+        STATE["reason"] = f"SGLang layout not as expected: {layout_problems(probes)}"
         _warn(STATE["reason"] + "; SGLang runs without the plugin")
         return False
-    STATE.update(orig_list=orig_list, orig_pack=orig_pack)
+    from sglang.srt.plugins.hook_registry import HookType
+
+    if registry is None:
+        from sglang.srt.plugins.hook_registry import HookRegistry as registry  # noqa: N813
+    if which == PLAIN_LIST:
+        from compile_pass.integrations import sglang_compile
+
+        sglang_compile.register(registry, HookType)
+        if apply:
+            registry.apply_hooks()
+        STATE.update(active=True, reason="", layout=PLAIN_LIST)
+        logger.info("compile_pass SGLang plugin active: plain-list layout, the inner model compiled "
+                    "with the capture pass on capturing extend batches")
+        return True
+    import importlib
+
+    aux = importlib.import_module(AUX_MODULE)
+    orig_list = aux.AuxHiddenStateList
+    orig_list = getattr(orig_list, "_cp_original", None) or orig_list  # a second registry: the original
+    STATE.update(orig_list=orig_list, orig_pack=aux.pack_aux_hidden_states)
     registry.register(f"{AUX_MODULE}.AuxHiddenStateList", _make_list_class(orig_list),
                       HookType.REPLACE)
     registry.register(f"{AUX_MODULE}.pack_aux_hidden_states", pack_view, HookType.REPLACE)
@@ -406,37 +396,8 @@ def enable(*, registry: Any = None, apply: bool = True) -> bool:
     if apply:
         registry.apply_hooks()
     _set_compile_pass()
-    STATE.update(active=True, reason="", layout="AuxHiddenStateList: packed in place")
+    STATE.update(active=True, reason="", layout=PACKING_LIST)
     logger.info("compile_pass SGLang plugin active: captures packed in place")
-    return True
-
-
-def _enable_plain_list_layout(registry: Any, apply: bool, why: BaseException) -> bool:
-    """SGLang without ``AuxHiddenStateList`` (0.5.14: a plain ``[]`` in each model's
-    ``forward``): the compiler way in (``sglang_compile``), where that SGLang has what it
-    needs; else a warning naming what is missing, nothing registered."""
-    from compile_pass.integrations import sglang_compile
-
-    missing = sglang_compile.layout_present()
-    if missing is not None:
-        STATE["reason"] = (f"SGLang layout not as expected: {why!r}, and no plain-list layout "
-                           f"either ({missing})")
-        _warn(STATE["reason"] + "; SGLang runs without the plugin")
-        return False
-    try:
-        if registry is None:
-            from sglang.srt.plugins.hook_registry import HookRegistry as registry  # noqa: N813
-        from sglang.srt.plugins.hook_registry import HookType
-    except Exception as e:  # noqa: BLE001
-        STATE["reason"] = f"SGLang has no plugin HookRegistry ({e!r})"
-        _warn(STATE["reason"] + "; SGLang runs without the plugin")
-        return False
-    sglang_compile.register(registry, HookType)
-    if apply:
-        registry.apply_hooks()
-    STATE.update(active=True, reason="", layout="plain list: compiled inner model")
-    logger.info("compile_pass SGLang plugin active: plain-list layout, the inner model compiled "
-                "with the capture pass on capturing extend batches")
     return True
 
 

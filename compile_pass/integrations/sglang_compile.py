@@ -38,43 +38,20 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from compile_pass.integrations.sglang import RUNNER_FORWARD, _warn
+from compile_pass.integrations.sglang_seams import LOGITS_STORE, PIECEWISE_CONTEXT, RUNNER_FORWARD
+from compile_pass.integrations.sglang_seams import warn as _warn
 from compile_pass.packer import pack_aux_hidden_states as _cp_pack
 
-__all__ = ["LOGITS_STORE", "RUNNER_FORWARD", "PIECEWISE_CONTEXT", "layout_present", "register",
-           "reset", "STATE"]
+__all__ = ["register", "reset", "STATE"]
 
 logger = logging.getLogger("compile_pass.sglang")
 
 ENV_INNER = "COMPILE_PASS_SGLANG_INNER"
 ENV_REWRITE = "COMPILE_PASS_SGLANG_REWRITE"
-LOGITS_STORE = "sglang.srt.layers.logits_processor.LogitsProcessor._get_hidden_states_to_store"
-PIECEWISE_CONTEXT = ("sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph."
-                     "context_manager")
 
 #: what the hooks did: ``compiled`` (inner models compiled), ``failed`` (fell back to eager,
 #: with the reason), ``packed`` (FULL packs returned as a view), ``inner``.
 STATE: dict = {"compiled": 0, "failed": [], "packed": 0, "inner": None, "rewrite": None}
-
-
-def layout_present() -> Optional[str]:
-    """None where this SGLang has what the hooks need, else what is missing."""
-    import importlib
-
-    try:
-        from sglang.srt.layers import radix_attention
-        from sglang.srt.layers.logits_processor import LogitsProcessor
-
-        context = importlib.import_module(PIECEWISE_CONTEXT)
-    except Exception as e:  # noqa: BLE001 - any other layout: say which
-        return f"{e!r}"
-    if getattr(radix_attention, "unified_attention_with_output", None) is None:
-        return "sglang.srt.layers.radix_attention has no unified_attention_with_output"
-    if not callable(getattr(LogitsProcessor, "_get_hidden_states_to_store", None)):
-        return "LogitsProcessor._get_hidden_states_to_store is missing"
-    if not callable(getattr(context, "set_tc_piecewise_forward_context", None)):
-        return f"{PIECEWISE_CONTEXT}.set_tc_piecewise_forward_context is missing"
-    return None
 
 
 # ----------------------------------------------------------------------------- logits store

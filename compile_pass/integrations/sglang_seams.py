@@ -1,0 +1,165 @@
+"""Where the SGLang plugin touches SGLang: its seams, probed before anything is registered.
+
+The plugin changes SGLang only through SGLang's own plugin ``HookRegistry`` (hooks that
+replace a class or function, or run around a method), so its seams carry no ``Patch``:
+the probe checks that each place exists as the hooks expect, and the plugin registers the
+hooks. Two layouts are supported (``layout``):
+
+- ``PACKING_LIST`` (sglang 0.5.23): models capture into ``AuxHiddenStateList`` and the
+  logits processor packs with ``pack_aux_hidden_states``; both are replaced (plus the
+  plain-``[]`` models' list adoption, ``list_adoption``);
+- ``PLAIN_LIST`` (sglang 0.5.14, SpecForge 0.2.0's pin): models append to a plain ``[]``;
+  the inner model is compiled with the capture pass under SGLang's piecewise attention
+  context, the logits store packs a view (``sglang_compile``).
+
+Either layout needs the hook registry and ``ModelRunner.forward``. A layout whose seams
+do not all fit is not used; if neither fits, the plugin stays off and names what moved.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import List, Optional, Sequence
+
+from compile_pass.integrations.seams import (Patch, Probe, Seam, SeamAbsent, attribute, import_module,
+                                             probe, require)
+
+__all__ = ["AUX_MODULE", "RUNNER_FORWARD", "LOGITS_STORE", "PIECEWISE_CONTEXT", "PACKING_LIST",
+           "PLAIN_LIST", "SEAMS", "TESTED", "is_tested", "layout", "probe_sglang", "sglang_version",
+           "warn"]
+
+logger = logging.getLogger("compile_pass.sglang")
+
+AUX_MODULE = "sglang.srt.layers.aux_hidden_states"
+RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+LOGITS_STORE = "sglang.srt.layers.logits_processor.LogitsProcessor._get_hidden_states_to_store"
+PIECEWISE_CONTEXT = ("sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph."
+                     "context_manager")
+HOOK_REGISTRY = "sglang.srt.plugins.hook_registry"
+
+PACKING_LIST = "AuxHiddenStateList: packed in place"
+PLAIN_LIST = "plain list: compiled inner model"
+
+#: SGLang releases the engine tier runs (make sglang: 0.5.23; make specforge: 0.5.14)
+TESTED = ("0.5.14", "0.5.23")
+
+
+def warn(msg: str) -> None:
+    """How the SGLang plugin says something went differently: a RuntimeWarning and a log line."""
+    warnings.warn(f"compile_pass SGLang plugin: {msg}", RuntimeWarning, stacklevel=3)
+    logger.warning(msg)
+
+
+def sglang_version() -> Optional[str]:
+    try:
+        import sglang
+    except Exception:  # noqa: BLE001
+        return None
+    return str(getattr(sglang, "__version__", "?"))
+
+
+def is_tested(version: str) -> bool:
+    return version in TESTED
+
+
+def _locate_registry() -> List[Patch]:
+    reg = import_module(HOOK_REGISTRY)
+    attribute(reg, "HookRegistry")
+    hook_type = attribute(reg, "HookType")
+    for kind in ("REPLACE", "AROUND"):
+        attribute(hook_type, kind, f"{HOOK_REGISTRY}.HookType.{kind} is missing")
+    return []
+
+
+def _locate_runner_forward() -> List[Patch]:
+    runner = attribute(import_module("sglang.srt.model_executor.model_runner"), "ModelRunner")
+    require(callable(getattr(runner, "forward", None)), "ModelRunner.forward is missing")
+    return []
+
+
+def _locate_aux_list() -> List[Patch]:
+    aux = import_module(AUX_MODULE, absent_ok=True)
+    cls = getattr(aux, "AuxHiddenStateList", None)
+    cls = getattr(cls, "_cp_original", None) or cls  # already ours: SGLang's is behind it
+    require(isinstance(cls, type) and issubclass(cls, list) and callable(getattr(cls, "capture", None)),
+            f"{AUX_MODULE}.AuxHiddenStateList is {cls!r}, not a list class with capture()")
+    return []
+
+
+def _locate_pack() -> List[Patch]:
+    aux = import_module(AUX_MODULE, absent_ok=True)
+    require(callable(getattr(aux, "pack_aux_hidden_states", None)),
+            f"{AUX_MODULE}.pack_aux_hidden_states is missing")
+    return []
+
+
+def _locate_logits_store() -> List[Patch]:
+    lp = attribute(import_module("sglang.srt.layers.logits_processor"), "LogitsProcessor")
+    require(callable(getattr(lp, "_get_hidden_states_to_store", None)),
+            "LogitsProcessor._get_hidden_states_to_store is missing")
+    return []
+
+
+def _locate_piecewise_attention() -> List[Patch]:
+    radix = import_module("sglang.srt.layers.radix_attention")
+    if getattr(radix, "unified_attention_with_output", None) is None:
+        raise SeamAbsent("sglang.srt.layers.radix_attention has no unified_attention_with_output")
+    context = import_module(PIECEWISE_CONTEXT, absent_ok=True)
+    require(callable(getattr(context, "set_tc_piecewise_forward_context", None)),
+            f"{PIECEWISE_CONTEXT}.set_tc_piecewise_forward_context is missing")
+    return []
+
+
+SEAMS: List[Seam] = [
+    Seam(f"{HOOK_REGISTRY}.HookRegistry", change="",
+         reason="official: SGLang's plugin hook registry (REPLACE, AROUND)", locate=_locate_registry),
+    Seam(RUNNER_FORWARD, change="an around-hook: K for the packing list, plain-list adoption, "
+                                "the compiled inner model (plain-list layout)",
+         reason="K is known to the model runner only", locate=_locate_runner_forward),
+    Seam(f"{AUX_MODULE}.AuxHiddenStateList", change="replaced: capture() copies into one packed buffer",
+         reason="the list class every 0.5.23 model captures into", locate=_locate_aux_list,
+         optional=True),
+    Seam(f"{AUX_MODULE}.pack_aux_hidden_states", change="replaced: a view of adjacent slices",
+         reason="the logits processor's pack", locate=_locate_pack, optional=True),
+    Seam(LOGITS_STORE, change="an around-hook: a FULL capture of adjacent slices is a view",
+         reason="0.5.14's logits processor concatenates inline", locate=_locate_logits_store,
+         optional=True),
+    Seam("sglang.srt.layers.radix_attention.unified_attention_with_output + piecewise context",
+         change="", reason="official: SGLang's opaque attention op and its piecewise forward "
+                           "context, under which the inner model is compiled (plain-list layout)",
+         locate=_locate_piecewise_attention, optional=True),
+]
+
+_PACKING = (f"{AUX_MODULE}.AuxHiddenStateList", f"{AUX_MODULE}.pack_aux_hidden_states")
+_PLAIN = (LOGITS_STORE, "sglang.srt.layers.radix_attention.unified_attention_with_output + piecewise context")
+
+
+def probe_sglang() -> List[Probe]:
+    """Probe every seam on the installed SGLang (nothing is registered)."""
+    return probe(SEAMS)
+
+
+def layout(probes: Sequence[Probe]) -> Optional[str]:
+    """``PACKING_LIST`` or ``PLAIN_LIST`` where that layout's seams and the common ones all
+    fit, else None. A packing-list module that exists but differs is never read as the
+    plain-list layout."""
+    state = {p.seam.name: p.state for p in probes}
+    common = [p for p in probes if not p.seam.optional]
+    if not all(p.fits for p in common):
+        return None
+    if all(state.get(name) == "ok" for name in _PACKING):
+        return PACKING_LIST
+    if all(state.get(name) == "absent" for name in _PACKING) \
+            and all(state.get(name) == "ok" for name in _PLAIN):
+        return PLAIN_LIST
+    return None
+
+
+def layout_problems(probes: Sequence[Probe]) -> str:
+    """What keeps every layout from fitting, one clause per seam."""
+    parts = [f"{p.seam.name}: {p.state} ({p.detail})" for p in probes
+             if p.state == "moved" or (p.state == "absent" and not p.seam.optional)]
+    if not parts:  # every place exists or is absent as allowed, but no layout is complete
+        parts = [f"{p.seam.name}: {p.state} ({p.detail})" for p in probes if p.state != "ok"]
+    return "; ".join(parts) or "no supported layout"
