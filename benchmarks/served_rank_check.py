@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import _report  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
 from compile_pass import aux_capture_backend, pack_aux_hidden_states  # noqa: E402
 from compile_pass.memory import measure_peak  # noqa: E402
-from compile_pass.static_estimate import estimate_at, graph_peak_at, trace_graph  # noqa: E402
+from tools.static_estimate import estimate_at, graph_peak_at, trace_graph  # noqa: E402
 from models import engine  # noqa: E402
 
 VARIANTS = (("none", "none", False), ("list", "list", False), ("list+pass", "list", True),

@@ -10,6 +10,9 @@ NotImplementedError when called, created below; the Llama path on the CPU calls 
 
 ARCH=llama|qwen2_moe|gemma3 picks the class (gemma3: a plain-list model, its list adopted);
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM set its widths (default 256 / 256 / 4 / HEADS / 64).
+SETTER=dflash sets the capture layers as SGLang's DFlash path does (the model's
+``set_dflash_layers_to_capture``, K target layers spread over the depth); default: layers 1..K
+set on the inner model directly.
 NORM=fused runs SGLang's RMSNorm-with-residual in place (a stand-in for its fused kernel).
 One tensor-parallel rank's proportions (Llama 3.1 70B at TP=8: attention and MLP widths cut by
 8, hidden not): HIDDEN=1024 HEADS=2 KV_HEADS=1 INTER=448.
@@ -134,7 +137,13 @@ m = mr.model
 base, o0 = run()
 print("base ok", base)
 m.capture_aux_hidden_states = True
-if hasattr(m.model, "set_eagle3_layers_to_capture") and _cfg["model_type"] != "llama":
+SETTER = os.environ.get("SETTER", "direct")
+if SETTER == "dflash":
+    # SGLang's own DFlash path (configure_aux_hidden_state_capture with dflash_use_aux_hidden_state):
+    # the model's set_dflash_layers_to_capture with K target layers spread over the depth
+    _n = _cfg["num_hidden_layers"]
+    m.set_dflash_layers_to_capture([i * (_n - 2) // (K - 1) for i in range(K)])
+elif hasattr(m.model, "set_eagle3_layers_to_capture") and _cfg["model_type"] != "llama":
     m.model.set_eagle3_layers_to_capture(list(range(1, 1 + K)))  # qwen2_moe: flags the layers too
 else:
     m.model.layers_to_capture = list(range(1, 1 + K))
@@ -186,7 +195,8 @@ res = ({"K": K, "layers": _cfg["num_hidden_layers"], "model": _cfg["architecture
   "logits_equal": bool(torch.equal(o1.next_token_logits, o2.next_token_logits)),
   "logits_equal_no_capture": bool(torch.equal(o0.next_token_logits, o2.next_token_logits)),
   "hidden": _cfg["hidden_size"], "norm": os.environ.get("NORM", "native"),
-  "packed_views": plugin.STATE["packed"], "fallbacks": plugin.STATE["fallbacks"]})
+  "packed_views": plugin.STATE["packed"], "fallbacks": plugin.STATE["fallbacks"], "setter": SETTER,
+  "capture_layers": list(m.model.layers_to_capture)})
 print(json.dumps(res))
 if len(sys.argv) > 1:
     open(sys.argv[1], "w").write(json.dumps(res, indent=1) + "\n")

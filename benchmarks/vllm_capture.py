@@ -105,8 +105,28 @@ def measure(name, backend, make, inputs, warm):
     return rows
 
 
+def render(paths) -> str:
+    """A markdown table of the rows of result files (``--render``), one line per row."""
+    lines = ["| vllm | model | mode | pieces | plugin | peak MiB | no-capture MiB | packed MiB | overhead "
+             "| model bitwise | captures bitwise (max abs diff) |", "|" + "---|" * 11]
+    for path in paths:
+        with open(path) as f:
+            result = json.load(f)
+        for r in result["rows"]:
+            if "error" in r:
+                lines.append(f"| {result['vllm']} | {r['model']} | {r['mode']} | {r['pieces']} | "
+                             f"{'on' if r['plugin'] else 'off'} | {r['error'][:80]} ||||||")
+                continue
+            caps = "yes" if r["captures_bitwise"] else f"no ({r['captures_max_abs_diff']:.3g})"
+            lines.append(f"| {result['vllm']} | {r['model']} | {r['mode']} | {r['pieces']} | "
+                         f"{'on' if r['plugin'] else 'off'} | {r['peak_mib']} | {r['peak_no_capture_mib']} | "
+                         f"{r['packed_mib']} | {r['overhead']:.2f} | {'yes' if r['model_bitwise'] else 'no'} | {caps} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--render", nargs="+", help="print result files as one markdown table, run nothing")
     ap.add_argument("--backends", default="eager,inductor")
     ap.add_argument("--styles", default="sum,clone")
     ap.add_argument("--tokens", type=int, default=2048)
@@ -124,6 +144,9 @@ def main() -> None:
                          "DYNAMO_TRACE_ONCE (what vLLM's CPU platform forces) compiles one graph")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.render:
+        print(render(args.render))
+        return
     global NO_PIECE_PASSES, MODE
     NO_PIECE_PASSES, MODE = args.no_piece_passes, args.mode
     rows = []

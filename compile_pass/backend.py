@@ -47,7 +47,8 @@ import torch.fx as fx
 
 from torch._dynamo.utils import counters
 
-from compile_pass.capture_pass import PassResult, run_capture_pass
+from compile_pass.capture_pass import run_capture_pass
+from compile_pass.result import PassResult
 from compile_pass.reinplace import reinplace_slice_writes
 from compile_pass.split import SplitGraph, check_split_ops, split_graph
 

@@ -1,38 +1,136 @@
-"""The capture pass: find -> plan -> estimate -> rewrite, one group at a time.
+"""The capture pass: find -> plan -> price -> rewrite -> report, one group at a time.
 
 ``run_capture_pass(gm, target)`` depends only on the graph and its target. Each group is
-planned and priced (``cost.py``); an accepted group is first rewritten on a copy of the
-graph, and only when that trial succeeds and lints is the same rewrite applied to
-``gm.graph`` in place, so the graph always holds whole rewrites or none. A group is
-accepted only where the estimated peak drops. Any exception inside the pass stops it
-there, is logged with its reason and counted (``counters["aux_capture"]["pass_errors"]``);
-it never fails the compile.
+planned (``plan.py``) and priced (``cost.py``); an accepted group is first rewritten on a
+copy of the graph (or checked, where the graph is the backend's own working copy), and only
+then on ``gm.graph`` itself, so the graph always holds whole rewrites or none. A group is
+accepted only where the estimated peak drops. Any exception inside the pass stops it there,
+is logged with its reason and counted (``counters["aux_capture"]["pass_errors"]``); it never
+fails the compile.
+
+Where the packed buffer lives is the one policy that differs between targets, decided once
+per target (``Target.placement``): inside the graph, allocated right before its first write
+(``InGraphBuffer``), or lifted out of it, a graph input the compiled callable allocates
+(``LiftedBuffer``, the inductor inner: ``lift.py``), which changes what may be rewritten,
+how a rewrite is priced, and what the pass does after the last group.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch.fx as fx
 from torch._dynamo.utils import counters
 
-from compile_pass.cost import changed_span, inductor_computes_into, inductor_shared_storages, planned_peak
+from compile_pass.cost import (changed_span, graph_liveness, inductor_computes_into, lift_slack, lifted_floor,
+                               lifted_peak, planned_peak, without_fusion_into)
 from compile_pass.dataflow import NodeTable, copy_graph, gc_paused, nbytes, tensor_value
 from compile_pass.find import LAYER_DEPTH, find_capture_groups, find_output_groups
-from compile_pass.groups import CaptureGroup, Decision, GroupKind, summarize
+from compile_pass.groups import CaptureGroup, Decision, GroupKind, Rejection, summarize
 from compile_pass.lift import LiftedBuffers, LiftError, lift_packed_buffers
-from compile_pass.liveness import LivenessModel, MemoryTimeline
-from compile_pass.twins import capture_twins, capture_values
+from compile_pass.liveness import LivenessModel
 from compile_pass.plan import GraphFacts, plan_group
+from compile_pass.result import CODE_NOT_KEPT, PassResult
 from compile_pass.rewrite import (RewriteError, check_rewrite, compute_writes_into_slices, rewrite_group,
                                   writes_of_arithmetic)
+from compile_pass.twins import capture_twins, capture_values
 
-__all__ = ["Target", "PassResult", "run_capture_pass", "rewrite_graph", "TARGETS", "CODE_NOT_KEPT"]
+__all__ = ["Target", "PassResult", "run_capture_pass", "rewrite_graph", "TARGETS", "CODE_NOT_KEPT",
+           "InGraphBuffer", "LiftedBuffer"]
 
 log = logging.getLogger("compile_pass")
+
+
+class InGraphBuffer:
+    """The packed buffer is allocated inside the graph, right before the group's first
+    write; nothing else about the target changes what the pass may do."""
+
+    lifted = False
+    #: when the estimate allocates the packed buffer: None = right before its first write
+    buffer_born: Optional[int] = None
+
+    def twins(self, graph: fx.Graph, table: NodeTable,
+              groups: Sequence[CaptureGroup]) -> Dict[fx.Node, fx.Node]:
+        """The capture twins the compiler merges before it runs the graph: none."""
+        return {}
+
+    def refusal(self, group: CaptureGroup, table: NodeTable) -> Optional[Tuple[Rejection, str]]:
+        """Why ``group`` may not be rewritten for this placement, before any planning."""
+        return None
+
+    def slack(self, group: CaptureGroup) -> int:
+        """Bytes by which the rewrite may be estimated dearer than the list path."""
+        return 0
+
+    def floor(self, liveness: LivenessModel, peak: int, group: CaptureGroup) -> Optional[int]:
+        """A peak the rewrite reaches whatever it saves later, if that alone rejects it."""
+        return None
+
+    def rewritten_peak(self, model: LivenessModel, buffer: fx.Node) -> int:
+        """The estimated peak of a rewritten graph whose packed buffer is ``buffer``."""
+        return model.peak()
+
+    def finish(self, gm: fx.GraphModule, result: PassResult) -> bool:
+        """After the last group; True if the graph changed."""
+        return False
+
+
+class LiftedBuffer(InGraphBuffer):
+    """The packed buffers become graph inputs the compiled callable allocates (``lift.py``)
+    and the graph goes to Inductor, which merges capture twins first (``twins.py``):
+
+    - a capture that is a graph input the graph writes in place is left to the list path
+      (stock Inductor can lose that write-back; fuzz seed 2), and so is a concat of values
+      within one layer (MLA's ``k = [k_nope, k_rope]``: the buffer would live through the
+      whole graph for a value one op needs);
+    - the estimate allocates the buffer before the graph runs, rejects outright where that
+      alone cannot pay (``cost.lifted_floor``), and trusts a list path estimated cheaper by
+      less than one capture to be no cheaper (``cost.lift_slack``);
+    - after the last group every packed buffer is lifted, and capture-only arithmetic
+      written into its slice is computed there (``rewrite.compute_writes_into_slices``).
+    """
+
+    lifted = True
+    buffer_born = 0
+
+    def twins(self, graph: fx.Graph, table: NodeTable,
+              groups: Sequence[CaptureGroup]) -> Dict[fx.Node, fx.Node]:
+        return capture_twins(capture_values(graph, table, groups), table)
+
+    def refusal(self, group: CaptureGroup, table: NodeTable) -> Optional[Tuple[Rejection, str]]:
+        written_input = _input_written_in_graph(group, table)
+        if written_input is not None:
+            return Rejection.INPUT_WRITTEN_IN_GRAPH, (
+                f"capture {written_input} is a graph input the graph writes in place: stock "
+                f"Inductor can lose the write-back of such an input when a mutating op later "
+                f"overwrites its source, and only the list path's concat happens to hide it "
+                f"(docs/overview.md, fuzz seed 2); left to the list path")
+        if group.depth_span < LAYER_DEPTH:
+            return Rejection.WITHIN_ONE_LAYER, (
+                f"its values are {group.depth_span} matmul(s) apart, within one layer "
+                f"(MLA's k = [k_nope, k_rope]): the model's own concat, left to Inductor, "
+                f"which computes its inputs into it")
+        return None
+
+    def slack(self, group: CaptureGroup) -> int:
+        return lift_slack(group)
+
+    def floor(self, liveness: LivenessModel, peak: int, group: CaptureGroup) -> Optional[int]:
+        return lifted_floor(liveness, peak, group)
+
+    def rewritten_peak(self, model: LivenessModel, buffer: fx.Node) -> int:
+        return lifted_peak(model, buffer)
+
+    def finish(self, gm: fx.GraphModule, result: PassResult) -> bool:
+        result.keep_code_before(gm.graph)
+        # lifted first: a packer's buffer is allocated like its first capture, a reader
+        # that would keep that capture from being computed into its slice
+        changed = _lift_buffers(gm, result)
+        return _writes_into_slices(gm, result) or changed
+
 
 @dataclass(frozen=True)
 class Target:
@@ -41,10 +139,7 @@ class Target:
     ``runs_as_is``: the graph is executed node by node afterwards (no functionalization),
     so ``out=`` recomputation into a slice is safe. ``inductor_cost``: estimate peaks the
     way Inductor runs a concat (pointwise and mm producers computed into its output).
-    ``lift``: packed buffers become graph inputs that the compiled callable's caller
-    allocates (``lift.py``), so the estimate allocates them before the graph runs; the
-    graph goes to Inductor, which merges capture twins first (``twins.py``), so the
-    estimates merge them too.
+    ``placement``: where the packed buffer lives (``InGraphBuffer`` / ``LiftedBuffer``).
     """
 
     name: str
@@ -52,10 +147,21 @@ class Target:
     inductor_cost: bool
     autograd_free: bool = False  # the graph runs with autograd already handled (AOT, post-grad)
     hoist: bool = False  # functional graph a scheduler reordered: move producers up (plan.py)
-    lift: bool = False
+    placement: InGraphBuffer = InGraphBuffer()
     #: the graph is the backend's own working copy, discarded if the pass fails: groups are
     #: rewritten in it directly after ``rewrite.check_rewrite``, without a trial copy each
     works_on_copy: bool = False
+
+    @property
+    def lift(self) -> bool:
+        return self.placement.lifted
+
+    def liveness(self, graph: fx.Graph, *, table: Optional[NodeTable] = None,
+                 twins: Optional[Mapping[fx.Node, fx.Node]] = None, except_cat: Optional[fx.Node] = None,
+                 groups: Optional[Sequence[CaptureGroup]] = None) -> LivenessModel:
+        """``graph``'s liveness as this target's compiler runs it (``cost.graph_liveness``)."""
+        return graph_liveness(graph, inductor_cost=self.inductor_cost, merge_twins=self.lift,
+                              table=table, twins=twins, except_cat=except_cat, groups=groups)
 
 
 TARGETS: Dict[str, Target] = {
@@ -68,110 +174,9 @@ TARGETS: Dict[str, Target] = {
     "post_grad": Target("post_grad", runs_as_is=False, inductor_cost=True, autograd_free=True,
                         hoist=True),
     # the inductor inner: the Dynamo graph, buffers lifted to inputs, then AOT and Inductor
-    "dynamo_lifted": Target("dynamo_lifted", runs_as_is=False, inductor_cost=True, lift=True,
-                            works_on_copy=True),
+    "dynamo_lifted": Target("dynamo_lifted", runs_as_is=False, inductor_cost=True,
+                            placement=LiftedBuffer(), works_on_copy=True),
 }
-
-
-#: ``PassResult.code_before`` / ``code_after`` of a graph whose code was not kept
-CODE_NOT_KEPT = ("# the graph's code was not kept: the pass changed it, or left it unchanged for a "
-                 "compiler that edits it next (keep_code_before=True, estimate=True as the diff "
-                 "tool runs it, or TORCH_TRACE keep it)\n")
-
-
-@dataclass
-class PassResult:
-    """What one run of the pass did to one graph.
-
-    ``code_before`` / ``code_after`` are the graph's code before and after the pass. The
-    text costs about as much as the pass itself on a 7000-node graph, so it is generated
-    only when needed: before the pass's first change, on first read from an unchanged graph
-    that nothing edits later (a graph that runs as is, or the backend's working copy), and
-    with ``estimate=True`` (the diff tool). Otherwise, for a graph the pass leaves unchanged
-    and a compiler edits next (Inductor's post-grad graph), it is not kept: both read
-    ``CODE_NOT_KEPT``.
-    """
-
-    target: str
-    groups: List[CaptureGroup]
-    _code_before: Optional[str]
-    _code_after: Optional[str]
-    timeline_before: Optional[MemoryTimeline] = None
-    timeline_after: Optional[MemoryTimeline] = None
-    seconds: float = 0.0  # the pass's own time: find, plan, price, rewrite, lift
-    #: regenerating a changed module's Python code after the pass (``gm.recompile()``), which
-    #: running or compiling the rewritten module needs in any case
-    codegen_seconds: float = 0.0
-    codegen_cpu_seconds: float = 0.0  # the same in CPU time of the process
-    error: Optional[str] = None
-    counts: Dict[str, int] = field(default_factory=dict)
-    #: packed buffers made graph inputs (``Target.lift``): the compiled graph's caller allocates them
-    lifted: Optional[LiftedBuffers] = None
-    lift_note: str = ""  # why packed buffers stayed in the graph, if they did
-    #: ``write_slice_`` calls of capture-only arithmetic made ``binary_into_slice_`` (lift targets)
-    writes_computed_into: int = 0
-    _unchanged_graph: Optional[fx.Graph] = field(default=None, repr=False, compare=False)
-    #: generate the code before ahead of the graph's first change (else it is not kept then)
-    _keep_code: bool = field(default=True, repr=False, compare=False)
-
-    @property
-    def code_before(self) -> str:
-        if self._code_before is None:
-            if self._unchanged_graph is None:
-                return CODE_NOT_KEPT
-            self._code_before = self._unchanged_graph.python_code("self").src
-            self._unchanged_graph = None
-        return self._code_before
-
-    def keep_code_before(self, graph: fx.Graph) -> None:
-        """``graph`` is about to change: generate the code before now (unless an unchanged
-        graph is kept to read it from, or the result keeps no code: then it is dropped)."""
-        if self._code_before is None and self._unchanged_graph in (None, graph):
-            if self._keep_code:
-                self._code_before = graph.python_code("self").src
-            self._unchanged_graph = None
-
-    @code_before.setter
-    def code_before(self, code: str) -> None:
-        self._code_before = code
-
-    @property
-    def code_after(self) -> str:
-        return self.code_before if self._code_after is None else self._code_after
-
-    @code_after.setter
-    def code_after(self, code: str) -> None:
-        self._code_after = code
-
-    @property
-    def changed(self) -> bool:
-        return any(g.decision is Decision.REWRITE for g in self.groups)
-
-
-def _liveness(graph: fx.Graph, target: Target, except_cat: Optional[fx.Node] = None,
-              table: Optional[NodeTable] = None,
-              twins: Optional[Mapping[fx.Node, fx.Node]] = None,
-              groups: Optional[Sequence[CaptureGroup]] = None) -> LivenessModel:
-    """The liveness model of ``graph`` as ``target``'s compiler runs it. ``twins``: the
-    graph's capture twins if known (lifted targets merge them; found here otherwise);
-    ``groups``: its groups as found, if at hand."""
-    if not target.inductor_cost:
-        return LivenessModel(graph, table=table)
-    table = NodeTable.of(graph, table)
-    if target.lift and twins is None:
-        twins = capture_twins(capture_values(graph, table), table)
-    shared = inductor_shared_storages(table, twins if target.lift else None, except_cat, groups)
-    return LivenessModel(graph, shared, table=table)
-
-
-def _liveness_without_fusion_into(state: "_GraphState", group: CaptureGroup) -> LivenessModel:
-    """The liveness of ``state``'s graph with nothing computed into ``group``'s concat (its
-    rewrite removes that fusion): the state's own model where nothing was."""
-    shared = state.liveness.computed_into
-    if not state.target.inductor_cost or (group.cat not in shared and group.cat not in shared.values()):
-        return state.liveness
-    return _liveness(state.gm.graph, state.target, except_cat=group.cat, table=state.table,
-                     twins=state.twins, groups=state.groups)
 
 
 def _mib(n: Optional[int]) -> str:
@@ -189,34 +194,34 @@ class _GraphState:
         self.gm, self.target, self.table = gm, target, table
         self.facts = GraphFacts(gm.graph, table)
         self.groups = groups
-        self.twins = capture_twins(capture_values(gm.graph, table, groups), table) \
-            if target.lift else {}
+        self.twins = target.placement.twins(gm.graph, table, groups)
         self.twinned = frozenset(self.twins) | frozenset(self.twins.values())
-        self.liveness = _liveness(gm.graph, target, table=table, twins=self.twins, groups=groups)
+        self.liveness = target.liveness(gm.graph, table=table, twins=self.twins, groups=groups)
         self.peak = self.liveness.peak()
+
+    def liveness_without_fusion_into(self, group: CaptureGroup) -> LivenessModel:
+        """The liveness with nothing computed into ``group``'s concat (its rewrite removes
+        that fusion); the state's own where the target prices no such fusion."""
+        if not self.target.inductor_cost:
+            return self.liveness
+        return without_fusion_into(self.liveness, self.gm.graph, group, merge_twins=self.target.lift,
+                                   table=self.table, twins=self.twins, groups=self.groups)
 
 
 def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
     """Plan, trial-rewrite (on a copy) and price one group; accept it if the trial succeeds
     and the estimated peak drops (with ``cost_model=False``: whenever the trial succeeds)."""
-    target = state.target
+    target, placement = state.target, state.target.placement
     packed = group.packed_value
     if packed is not None and packed.requires_grad and not target.autograd_free:
-        group.reject("the captures require grad: in-place writes into a buffer have no autograd "
+        group.reject(Rejection.REQUIRES_GRAD,
+                     "the captures require grad: in-place writes into a buffer have no autograd "
                      "formula here; under autograd use inner aot_eager or inductor (rewritten "
                      "after AOTAutograd), or capture under torch.no_grad()")
         return False
-    written_input = _input_written_in_graph(group, state.table) if target.lift else None
-    if written_input is not None:
-        group.reject(f"capture {written_input} is a graph input the graph writes in place: stock "
-                     f"Inductor can lose the write-back of such an input when a mutating op later "
-                     f"overwrites its source, and only the list path's concat happens to hide it "
-                     f"(docs/overview.md, fuzz seed 2); left to the list path")
-        return False
-    if target.lift and group.depth_span < LAYER_DEPTH:
-        group.reject(f"its values are {group.depth_span} matmul(s) apart, within one layer "
-                     f"(MLA's k = [k_nope, k_rope]): the model's own concat, left to Inductor, "
-                     f"which computes its inputs into it")
+    refusal = placement.refusal(group, state.table)
+    if refusal is not None:
+        group.reject(*refusal)
         return False
     plan_group(group, state.facts, target.runs_as_is, hoist=target.hoist, into_op=target.lift,
                twinned=state.twinned)
@@ -231,8 +236,7 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
         if trial is None:
             return False
         before = max(before, state.liveness.live_bytes()[-1] + group.packed_bytes)
-        trial_model = _liveness(trial, target)
-        after = _lifted_peak(trial_model, buffer) if target.lift else trial_model.peak()
+        after = placement.rewritten_peak(target.liveness(trial), buffer)
     elif target.hoist:
         # hoisting moves producers and shortens their inputs' lives (``planned_changes``
         # prices that); where the peak is reached outside what the rewrite changes it
@@ -240,20 +244,27 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
         span = changed_span(state.liveness, group) if cost_model else None
         if span is not None and state.liveness.max_outside(*span) >= before:
             group.estimated_peak_before, group.estimated_peak_after = before, before
-            group.reject(f"estimated peak would not drop ({_mib(before)} -> at least "
+            group.reject(Rejection.PEAK_ELSEWHERE,
+                         f"estimated peak would not drop ({_mib(before)} -> at least "
                          f"{_mib(before)}): it is reached outside {_span_names(state.liveness, span)}, "
                          f"where the rewrite changes nothing")
             return False
-        after = planned_peak(_liveness_without_fusion_into(state, group), group)
+        after = planned_peak(state.liveness_without_fusion_into(group), group)
     else:
+        floor = placement.floor(state.liveness, state.peak, group)
+        if floor is not None:
+            group.estimated_peak_before, group.estimated_peak_after = state.peak, floor
+            group.reject(Rejection.LIFTED_CANNOT_PAY,
+                         f"estimated peak would rise ({_mib(state.peak)} -> at least {_mib(floor)}): a "
+                         f"buffer allocated before the graph runs is live through the peak before the "
+                         f"first capture")
+            return False
         # under Inductor's cost model the rewritten group's producers are no longer fused
         # into its concat, so they are priced on a model without that fusion
-        if target.lift and _lifted_buffer_cannot_pay(state, group):
-            return False
-        after = planned_peak(_liveness_without_fusion_into(state, group), group,
-                             buffer_born=0 if target.lift else None)
+        after = planned_peak(state.liveness_without_fusion_into(group), group,
+                             buffer_born=placement.buffer_born)
     group.estimated_peak_before, group.estimated_peak_after = before, after
-    slack = _lift_slack(group) if target.lift else 0
+    slack = placement.slack(group)
     # returned captures: a tie still saves the caller's K*T*H copy (its pack becomes a view),
     # so only a rise rejects; a concat in the graph must lower the peak
     outputs = group.kind is GroupKind.OUTPUTS
@@ -265,7 +276,7 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
         if target.inductor_cost and fused:
             why += (f"; Inductor already computes {len(fused)} of {group.k} captures straight "
                     f"into the concat output")
-        group.reject(why)
+        group.reject(Rejection.NO_SAVING, why)
         return False
     if trial is None and not _rewrite_fits(state, group):
         return False
@@ -295,47 +306,6 @@ def _input_written_in_graph(group: CaptureGroup, table: NodeTable) -> Optional[s
     return None
 
 
-def _lifted_buffer_cannot_pay(state: _GraphState, group: CaptureGroup) -> bool:
-    """Reject ``group`` (True) without pricing its rewrite where a lifted buffer cannot pay:
-    it is live from the start, so before the first capture is produced the rewritten graph
-    holds what the graph holds now plus the packed bytes. If that alone exceeds the
-    estimated peak by more than the slack (``_lift_slack``), no saving later can help
-    (MLA's k join, one per layer: its inputs come right before it)."""
-    produced = [2 * state.liveness.position[c.node] for c in group.captures
-                if c.node.op not in ("placeholder", "get_attr")]
-    first = min(produced, default=0)
-    if first == 0:
-        return False
-    floor = state.liveness.max_outside(first, state.liveness.end) + group.packed_bytes
-    if floor <= state.peak + _lift_slack(group):
-        return False
-    group.estimated_peak_before, group.estimated_peak_after = state.peak, floor
-    group.reject(f"estimated peak would rise ({_mib(state.peak)} -> at least {_mib(floor)}): a "
-                 f"buffer allocated before the graph runs is live through the peak before the "
-                 f"first capture")
-    return True
-
-
-def _lift_slack(group: CaptureGroup) -> int:
-    """How much cheaper the list path must be estimated, in bytes, before a lifted rewrite
-    is rejected: one capture's bytes for captures taken a layer or more apart
-    (``find.LAYER_DEPTH``), 0 for a concat of values one matmul apart (MLA's k join),
-    which is the model's own computation and must pay for itself.
-
-    With the buffer lifted out of the graph, Inductor plans every other buffer as in the
-    build without captures, so the rewrite costs the packed bytes and no more. The list
-    path's concat buffer inside the graph changes that plan: Inductor's wrapper keeps a
-    freed buffer for a later one of the same size whenever its own estimated peak allows,
-    which neither its estimate nor ours sees next to an opaque kernel's temporaries. That
-    moves single activations, so a list path estimated cheaper by less than one capture
-    is not trusted to be (measured: the capture-dominated Llama, estimated 16 KiB cheaper
-    on the list path, paid 1.33x the packed bytes there and 1.00x rewritten).
-    """
-    if group.depth_span < LAYER_DEPTH:
-        return 0
-    return max(group.packed_bytes * c.width // max(sum(group.widths), 1) for c in group.captures)
-
-
 def _span_names(model: LivenessModel, span: Tuple[int, int]) -> str:
     first, last = model.nodes[span[0] // 2], model.nodes[span[1] // 2]
     return f"{first.name} .. {last.name}"
@@ -349,7 +319,7 @@ def _trial_rewrite(graph: fx.Graph, group: CaptureGroup) -> Tuple[Optional[fx.Gr
         buffer = rewrite_group(trial, group.replace_nodes(node_map))
         trial.lint()
     except RewriteError as e:  # a plan this graph cannot express: this group only
-        group.reject(str(e))
+        group.reject(Rejection.NOT_EXPRESSIBLE, str(e))
         return None, None
     return trial, buffer  # any other exception is a pass error (run_capture_pass logs it)
 
@@ -363,16 +333,9 @@ def _rewrite_fits(state: _GraphState, group: CaptureGroup) -> bool:
     try:
         check_rewrite(state.gm.graph, group)
     except RewriteError as e:
-        group.reject(str(e))
+        group.reject(Rejection.NOT_EXPRESSIBLE, str(e))
         return False
     return True
-
-
-def _lifted_peak(model: LivenessModel, buffer: fx.Node) -> int:
-    """Peak of a rewritten graph whose ``buffer`` is allocated before the graph runs."""
-    key = model.keys_of[buffer][0]
-    interval = model.intervals[key]
-    return model.peak({key: interval._replace(born=0)})
 
 
 def _record(result: PassResult) -> None:
@@ -380,8 +343,9 @@ def _record(result: PassResult) -> None:
     for key, n in result.counts.items():
         counters["aux_capture"][key] += n
     for g in result.groups:
-        log.info("aux_capture[%s] %s K=%d widths=%s %s: %s: %s", result.target, g.key, g.k,
-                 list(g.widths), g.dtype, g.decision.value, g.reason)
+        why = f" [{g.rejection.value}]" if g.rejection is not None else ""
+        log.info("aux_capture[%s] %s K=%d widths=%s %s: %s%s: %s", result.target, g.key, g.k,
+                 list(g.widths), g.dtype, g.decision.value, why, g.reason)
 
 
 def _find_groups(gm: fx.GraphModule, table: NodeTable, concat: bool,
@@ -435,7 +399,7 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
     try:
         table = NodeTable(gm.graph)
         if estimate:
-            result.timeline_before = _liveness(gm.graph, target, table=table).timeline()
+            result.timeline_before = target.liveness(gm.graph, table=table).timeline()
         groups = _find_groups(gm, table, concat, pack_outputs)
         state: Optional[_GraphState] = None
         i = 0
@@ -453,20 +417,18 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
             result.keep_code_before(gm.graph)  # the text before the graph's first change
             rewrite_group(gm.graph, group)
             state, graph_changed = None, True
-            # the rewrite replaced nodes: find the remaining groups again on the new graph
+            # The rewrite erased or replaced nodes the remaining groups may refer to (the
+            # concat and its readers, an elided clone, a hoisted producer, a capture two
+            # groups share) and their facts (producers, storages, write points) were read
+            # from the graph before it. So the remaining groups are found again on the new
+            # graph, by key, from one new table: each later stage then reads facts of the
+            # graph it changes, and a group's planning never sees a stale node.
             remaining = {g.key for g in groups[i:] if g.decision is Decision.FOUND}
             if remaining:
                 table = NodeTable(gm.graph)
                 groups = groups[:i] + [g for g in _find_groups(gm, table, concat, pack_outputs)
                                        if g.key in remaining]
-            else:
-                groups = groups[:i] + [g for g in groups[i:]]
-        if target.lift:
-            result.keep_code_before(gm.graph)
-            # lifted first: a packer's buffer is allocated like its first capture, a reader
-            # that would keep that capture from being computed into its slice
-            graph_changed |= _lift_buffers(gm, result)
-            graph_changed |= _writes_into_slices(gm, result)
+        graph_changed |= target.placement.finish(gm, result)
         if graph_changed:
             codegen, codegen_cpu = time.perf_counter(), time.process_time()
             gm.recompile()  # the rewritten module's code, which compiling it needs anyway
@@ -474,7 +436,7 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
             result.codegen_seconds = time.perf_counter() - codegen
             result.codegen_cpu_seconds = time.process_time() - codegen_cpu
         if estimate:
-            result.timeline_after = _liveness(gm.graph, target).timeline()
+            result.timeline_after = target.liveness(gm.graph).timeline()
             if result.lifted is not None:  # allocated by the caller, before the graph runs
                 result.timeline_after = result.timeline_after.plus(_lifted_bytes(gm, result.lifted))
     except Exception as e:  # noqa: BLE001 - the pass must never break a compile

@@ -49,7 +49,6 @@ class PrivateAPI:
 PRIVATE_APIS: Tuple[PrivateAPI, ...] = (
     PrivateAPI("torch._inductor.custom_graph_pass", "CustomGraphPass",
                "inductor_pass.py: post-grad passes with a cache key"),
-    PrivateAPI("torch._inductor.custom_graph_pass", "get_hash_for_files", "inductor_pass.py: uuid()"),
     PrivateAPI("torch._inductor.config", "post_grad_custom_pre_pass", "backend.py: CaptureTwinsPass"),
     PrivateAPI("torch._inductor.config", "post_grad_custom_post_pass", "backend.py: AuxCapturePass"),
     PrivateAPI("torch._inductor.compile_fx", "compile_fx", "backend.py: the inductor inner"),

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from compile_pass.backend import INNERS, AuxCaptureBackend
-from compile_pass.capture_pass import PassResult
+from compile_pass.result import PassResult
 from compile_pass.groups import CaptureGroup, Decision
 from compile_pass.liveness import MemoryTimeline
 from compile_pass.rewrite import BUFFER_NAME
@@ -250,7 +250,7 @@ def _table(rows: List[List[str]], indent: str = "  ") -> List[str]:
 
 
 def _group_key(g: CaptureGroup) -> Tuple[Any, ...]:
-    return (g.k, g.widths, g.dtype, g.decision, g.reason,
+    return (g.k, g.widths, g.dtype, g.decision, g.rejection, g.reason,
             tuple((c.source, c.location, c.producer, c.strategy) for c in g.captures))
 
 
@@ -380,7 +380,8 @@ class ExplainReport:
                 cats[0] if len(cats) == 1 else f"{', '.join(cats[:2])}{', ...' if len(cats) > 2 else ''}",
                 str(g.k), _widths(g.widths), _dtype(g.dtype),
                 f"{_size(sizes[0])}..{_size(sizes[-1])}" if len(sizes) > 1 else _size(sizes[0]),
-                g.decision.value + (f" x{len(run)}" if len(run) > 1 else ""), g.reason or "-",
+                g.decision.value + (f" x{len(run)}" if len(run) > 1 else ""),
+                (f"[{g.rejection.value}] " if g.rejection is not None else "") + (g.reason or "-"),
             ])
         table = _table(rows)
         out = [s(table[0], "bold")]

@@ -20,7 +20,7 @@ import torch.fx as fx
 from compile_pass.dataflow import (
     NodeTable, cat_nodes, hint, nbytes, storage_key, tensor_value,
 )
-from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Provenance
+from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Provenance, Rejection
 
 __all__ = ["find_capture_groups", "find_output_groups", "classify_producer", "aten_packet",
            "exact_out_variant", "exact_binary_op", "LAYER_DEPTH"]
@@ -180,17 +180,19 @@ def _group_for(cat: fx.Node, table: Optional[NodeTable] = None) -> Optional[Capt
         packed_bytes=math.prod(example_shape) * out.element_size(), packed_value=out,
     )
     if not isinstance(dim, int):
-        return group.reject(f"concat dim {dim_arg!r} is not a constant int")
+        return group.reject(Rejection.NOT_PACKABLE, f"concat dim {dim_arg!r} is not a constant int")
     order = table.nodes if table is not None else None
     offset = 0
     out_dtype, out_device = out.dtype, out.device
     for position, node in enumerate(inputs):
         value = value_of(node) if isinstance(node, fx.Node) else None
         if value is None:
-            return group.reject(f"concat input {position} ({node!r}) is not a tensor node of this graph")
+            return group.reject(Rejection.NOT_PACKABLE,
+                                f"concat input {position} ({node!r}) is not a tensor node of this graph")
         shape = value.shape
         if len(shape) != rank:
-            return group.reject(f"concat input {position} has {len(shape)} dims, the result has {rank}")
+            return group.reject(Rejection.NOT_PACKABLE,
+                                f"concat input {position} has {len(shape)} dims, the result has {rank}")
         width = shape[dim]
         group.captures.append(Capture(
             node=node, position=position, offset=offset, width=hint(width),
@@ -199,19 +201,23 @@ def _group_for(cat: fx.Node, table: Optional[NodeTable] = None) -> Optional[Capt
         ))
         if not _is_static(width):
             return group.reject(
+                Rejection.SYMBOLIC_WIDTH,
                 f"capture {position} has a symbolic width {_sym_str(width)} along the concat dim"
             )
         offset += hint(width)
         if value.dtype != out_dtype:
             return group.reject(
+                Rejection.MIXED_DTYPES,
                 f"capture {position} is {value.dtype}, the concat result is {out_dtype} "
                 f"(torch.cat type-promotes mixed dtypes; the packer keeps one dtype)"
             )
         if value.device != out_device:
-            return group.reject(f"capture {position} is on {value.device}, the result on {out_device}")
+            return group.reject(Rejection.MIXED_DEVICES,
+                                f"capture {position} is on {value.device}, the result on {out_device}")
         for d in range(rank):
             if d != dim and not _same_size(shape[d], out_shape[d]):
                 return group.reject(
+                    Rejection.SHAPE_MISMATCH,
                     f"capture {position} has size {_sym_str(shape[d])} in dim {d}, "
                     f"the others {_sym_str(out_shape[d])}"
                 )
@@ -329,7 +335,8 @@ def find_capture_groups(graph_module: fx.GraphModule | fx.Graph,
             if group.decision is Decision.FOUND and depth is None:
                 depth = _layer_depths(table)
             if group.decision is Decision.FOUND and not _spans_layers(group, depth):
-                group.reject("all captures come out of one block (each depends on the same "
+                group.reject(Rejection.ONE_BLOCK,
+                             "all captures come out of one block (each depends on the same "
                              "number of matmuls and opaque ops): not a cross-layer capture, left "
                              "to the compiler")
             groups.append(group)
@@ -429,15 +436,16 @@ def find_output_groups(graph_module: fx.GraphModule | fx.Graph,
             first, shape, any(tensor_value(n).requires_grad for n in nodes))
         groups.append(group)
         if not all(_is_static(tensor_value(n).shape[dim]) for n in nodes):
-            group.reject("a returned capture has a symbolic last dim")
+            group.reject(Rejection.SYMBOLIC_WIDTH, "a returned capture has a symbolic last dim")
         elif len(set(nodes)) != len(nodes):
-            group.reject("the same value is returned more than once: its outputs must stay one tensor")
+            group.reject(Rejection.RETURNED_TWICE,
+                         "the same value is returned more than once: its outputs must stay one tensor")
         elif any(c.producer in (Producer.GRAPH_INPUT, Producer.VIEW) for c in group.captures):
             which = next(c for c in group.captures if c.producer in (Producer.GRAPH_INPUT, Producer.VIEW))
-            group.reject(f"returned value {which.position} ({which.node.name}) is a "
+            group.reject(Rejection.RETURNED_ALIAS, f"returned value {which.position} ({which.node.name}) is a "
                          f"{which.producer.value}: returning a copy would change what it aliases")
         elif not _spans_layers(group, depth):
-            group.reject("all returned values come out of one block: not cross-layer captures")
+            group.reject(Rejection.ONE_BLOCK, "all returned values come out of one block: not cross-layer captures")
     return groups
 
 

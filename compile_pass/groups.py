@@ -1,9 +1,12 @@
 """The one data type that flows through the pass: a capture group.
 
 found (``find.find_capture_groups``) -> planned (``plan.plan_group``: a strategy and a
-write point per capture, a decision with its reason) -> rewritten (``rewrite``) ->
-reported (``report``: counters, log lines, the diff tool). Every field a later stage
-reads is set by an earlier one; nothing is re-derived.
+write point per capture) -> priced (``cost.py``: the estimated peak before and after, and
+the decision with its reason) -> rewritten (``rewrite``) -> reported (``result.PassResult``:
+counters, log lines, the diff tool). Within one version of the graph every field a later
+stage reads is set by an earlier one. When a rewrite changes the graph, the groups not yet
+decided are found again on the new graph (``capture_pass``: their nodes may be gone) and go
+through the same stages from the start.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import torch.fx as fx
 
 from compile_pass.dataflow import module_location, source_line
 
-__all__ = ["Producer", "Strategy", "Decision", "GroupKind", "Provenance", "Capture", "CaptureGroup",
-           "summarize"]
+__all__ = ["Producer", "Strategy", "Decision", "Rejection", "GroupKind", "Provenance", "Capture",
+           "CaptureGroup", "summarize"]
 
 
 class Producer(str, Enum):
@@ -53,6 +56,33 @@ class GroupKind(str, Enum):
 
     CONCAT = "concat"  # torch.cat(captures, dim) inside the graph
     OUTPUTS = "outputs"  # the captures are graph outputs; the caller packs them
+
+
+class Rejection(str, Enum):
+    """Why a group was left as it was: the machine-readable half of a rejection
+    (``CaptureGroup.rejection``); ``CaptureGroup.reason`` has the detail text."""
+
+    #: found: the concat is not a capture concat the pass can pack
+    NOT_PACKABLE = "not packable"  # dim not a constant, an input no tensor node, ranks differ
+    SYMBOLIC_WIDTH = "symbolic width"  # a capture's width along the concat dim is symbolic
+    MIXED_DTYPES = "mixed dtypes"  # torch.cat type-promotes; the packer keeps one dtype
+    MIXED_DEVICES = "mixed devices"
+    SHAPE_MISMATCH = "shape mismatch"  # a capture's size differs in a non-concat dim
+    ONE_BLOCK = "one block"  # every capture from the same depth: not cross-layer captures
+    #: found: returned captures that cannot become slices of one buffer
+    RETURNED_TWICE = "returned twice"
+    RETURNED_ALIAS = "returned alias"  # a graph input or a view is returned
+    #: planned
+    ALL_GRAPH_INPUTS = "all graph inputs"  # the concat is already the only copy
+    REQUIRES_GRAD = "requires grad"  # no autograd formula for in-place writes here
+    INPUT_WRITTEN_IN_GRAPH = "input written in graph"  # a capture is an input written in place
+    WITHIN_ONE_LAYER = "within one layer"  # a concat of values one matmul apart (MLA)
+    #: priced
+    NO_SAVING = "no saving"  # the estimated peak would not drop (or would rise)
+    PEAK_ELSEWHERE = "peak elsewhere"  # reached outside the span the rewrite changes
+    LIFTED_CANNOT_PAY = "lifted buffer cannot pay"  # live through the peak before the first capture
+    #: rewritten
+    NOT_EXPRESSIBLE = "not expressible"  # the planned writes cannot be expressed on this graph
 
 
 class Decision(str, Enum):
@@ -146,7 +176,8 @@ class CaptureGroup:
     device: torch.device
     packed_bytes: int  # bytes of the packed result at the example sizes
     decision: Decision = Decision.FOUND
-    reason: str = ""
+    reason: str = ""  # why the decision, in words (a rejection's detail)
+    rejection: Optional[Rejection] = None  # why it was rejected, machine-readable
     estimated_peak_before: Optional[int] = None
     estimated_peak_after: Optional[int] = None
     placement: str = ""  # which graph the rewrite targets (dynamo / aot / post_grad)
@@ -186,6 +217,7 @@ class CaptureGroup:
             "device": str(self.device),
             "packed_bytes": self.packed_bytes,
             "decision": self.decision.value,
+            "rejection": self.rejection.value if self.rejection is not None else None,
             "reason": self.reason,
             "estimated_peak_before": self.estimated_peak_before,
             "estimated_peak_after": self.estimated_peak_after,
@@ -194,8 +226,11 @@ class CaptureGroup:
             "captures": [c.to_dict() for c in self.captures],
         }
 
-    def reject(self, reason: str) -> "CaptureGroup":
-        self.decision, self.reason = Decision.REJECT, reason
+    def reject(self, why: Rejection, detail: str) -> "CaptureGroup":
+        """Leave the group as it was: ``why`` for code, ``detail`` for people."""
+        if not isinstance(why, Rejection):
+            raise TypeError(f"a rejection needs a Rejection, got {why!r}")
+        self.decision, self.rejection, self.reason = Decision.REJECT, why, detail
         return self
 
     def replace_nodes(self, node_map: Dict[fx.Node, fx.Node]) -> "CaptureGroup":

@@ -33,16 +33,19 @@ as JSON.
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from torch._dynamo.utils import counters
 
-from compile_pass.capture_pass import PassResult, run_capture_pass
+from compile_pass.capture_pass import run_capture_pass
+from compile_pass.result import PassResult
 from compile_pass.twins import TwinMerge, merge_capture_twins
 
 __all__ = ["AuxCapturePass", "Build", "CaptureTwinsPass", "DistinctOutputsPass", "InductorPassSet",
@@ -52,14 +55,55 @@ __all__ = ["AuxCapturePass", "Build", "CaptureTwinsPass", "DistinctOutputsPass",
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+def _imported_modules(path: str) -> List[str]:
+    """The ``compile_pass`` modules a source file imports, anywhere in it (functions too)."""
+    import ast
+
+    with open(path, "rb") as f:
+        tree = ast.parse(f.read(), filename=path)
+    names: List[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+            names += [f"{node.module}.{a.name}" for a in node.names]  # from compile_pass import ops
+    return [n for n in names if n.split(".")[0] == "compile_pass"]
+
+
+@functools.lru_cache(maxsize=None)
 def _source_files() -> tuple:
-    return tuple(sorted(os.path.join(_PACKAGE_DIR, f) for f in os.listdir(_PACKAGE_DIR)
-                        if f.endswith(".py")))
+    """The files the passes execute: this module and every ``compile_pass`` module it
+    imports, directly or through those (read from their import statements). The fuzzer,
+    the diff tool, the CLI and the engine plugins are not among them, so editing them
+    leaves every pass's ``uuid()`` (and Inductor's cache) as it was."""
+    seen = set()
+    todo = [os.path.abspath(__file__)]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for module in _imported_modules(path):
+            parts = module.split(".")[1:]
+            if not parts:
+                continue
+            candidate = os.path.join(_PACKAGE_DIR, *parts) + ".py"
+            if os.path.isfile(candidate):
+                todo.append(candidate)
+    return tuple(sorted(seen))
 
 
 def source_hash(extra: str) -> str:
-    """Hex digest of the package's source files and ``extra`` (a pass's options)."""
-    return get_hash_for_files(_source_files(), extra=extra).hex()
+    """Hex digest of the source files the passes execute (``_source_files``, read now) and
+    ``extra`` (a pass's options)."""
+    digest = hashlib.sha256()
+    for path in _source_files():
+        digest.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    digest.update(extra.encode())
+    return digest.hexdigest()
 
 
 class AuxCapturePass(CustomGraphPass):

@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from compile_pass.dataflow import NodeTable, source_line
 from compile_pass.find import exact_binary_op, exact_out_variant
-from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Strategy
+from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Rejection, Strategy
 
 __all__ = ["GraphFacts", "plan_group"]
 
@@ -175,5 +175,6 @@ def plan_group(group: CaptureGroup, facts: GraphFacts, runs_as_is: bool,
                       hoist, into_op and not runs_as_is, twinned)
     writes = [c for c in group.captures if c.write_after is not None]
     if not writes:
-        return group.reject("every capture is a graph input: the concat is already the only copy")
+        return group.reject(Rejection.ALL_GRAPH_INPUTS,
+                            "every capture is a graph input: the concat is already the only copy")
     return group

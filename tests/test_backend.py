@@ -31,6 +31,7 @@ import models.llama  # noqa: E402
 from compile_pass import (  # noqa: E402
     AuxCaptureBackend,
     Decision,
+    Rejection,
     PassResult,
     Producer,
     Strategy,
@@ -174,7 +175,7 @@ def test_cost_model_keeps_tiny_graph_unchanged():
     result = backend.results[0]
     group = _aux_group(result, model.num_captures)
     assert group.decision is Decision.REJECT
-    assert group.reason.startswith("estimated peak would not drop")
+    assert group.rejection is Rejection.NO_SAVING and group.reason.startswith("estimated peak would not drop")
     assert group.estimated_peak_after >= group.estimated_peak_before
     assert not result.changed and result.code_after == result.code_before
 
@@ -547,6 +548,39 @@ def test_aux_capture_pass_uuid():
         AuxCapturePass(cost_model="no")
 
 
+def test_pass_uuids_hash_only_what_the_passes_execute(tmp_path, monkeypatch):
+    """The cache key covers the modules the passes import (found from their import
+    statements), not the diff tool, the CLI, the engine plugins or the test tooling: editing
+    those leaves every uuid as it was; editing a pass's module changes them."""
+    import compile_pass.inductor_pass as ip
+
+    names = {os.path.basename(f) for f in ip._source_files()}
+    assert {"inductor_pass.py", "capture_pass.py", "twins.py", "distinct_outputs.py", "cost.py",
+            "rewrite.py", "dataflow.py", "ops.py"} <= names
+    assert not names & {"explainer.py", "__main__.py", "backend.py", "memory.py", "packer.py",
+                        "cudagraph.py", "compat.py", "vllm.py", "sglang.py"}
+    # the same closure over a copy of the package: a pass module edited -> another key
+    import shutil
+
+    copy = tmp_path / "compile_pass"
+    shutil.copytree(os.path.dirname(ip.__file__), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(ip, "_PACKAGE_DIR", str(copy))
+    monkeypatch.setattr(ip, "__file__", str(copy / "inductor_pass.py"))
+    ip._source_files.cache_clear()
+    try:
+        before = ip.source_hash("x")
+        (copy / "explainer.py").write_text((copy / "explainer.py").read_text() + "\n# edited\n")
+        (copy / "__main__.py").write_text((copy / "__main__.py").read_text() + "\n# edited\n")
+        ip._source_files.cache_clear()
+        assert ip.source_hash("x") == before
+        (copy / "twins.py").write_text((copy / "twins.py").read_text() + "\n# edited\n")
+        ip._source_files.cache_clear()
+        assert ip.source_hash("x") != before
+    finally:
+        monkeypatch.undo()
+        ip._source_files.cache_clear()
+
+
 def _three_matmuls(x, w1, w2, w3):
     a = x @ w1
     h = torch.relu(a) @ w2
@@ -582,7 +616,7 @@ def test_aux_capture_pass_fx_graph_cache():
         assert len(first_pass.results) == 1 and first_pass.results[0].target == "post_grad"
         (group,) = first_pass.results[0].groups
         assert group.decision is Decision.REJECT  # the estimate sees no drop on this graph
-        assert group.reason.startswith("estimated peak would not drop")
+        assert group.rejection is Rejection.NO_SAVING and group.reason.startswith("estimated peak would not drop")
 
         second_pass = AuxCapturePass()  # same options: same uuid, a cache hit
         out2, d2 = compile_with(second_pass)
@@ -804,7 +838,7 @@ def test_mixed_dtypes_rejected(inner):
     out, ref, result = _compile_module(MixedDtypes, inner, X)
     _assert_bitwise(out, ref)
     (group,) = result.groups
-    assert group.decision is Decision.REJECT
+    assert group.decision is Decision.REJECT and group.rejection is Rejection.MIXED_DTYPES
     assert re.match(r"capture 1 is torch\.float16, the concat result is torch\.float32 "
                     r"\(torch\.cat type-promotes mixed dtypes", group.reason), group.reason
     assert result.code_after == result.code_before
@@ -816,6 +850,7 @@ def test_one_block_concat_rejected(inner):
     _assert_bitwise(out, ref)
     (group,) = result.groups
     assert group.decision is Decision.REJECT
+    assert group.rejection is Rejection.ONE_BLOCK
     assert "one block" in group.reason and "not a cross-layer capture" in group.reason
     assert result.code_after == result.code_before
     assert counters["aux_capture"]["groups_rejected"] == 1
@@ -832,6 +867,7 @@ def test_symbolic_concat_width_rejected():
     _assert_bitwise(out, ref)
     (group,) = result.groups
     assert group.decision is Decision.REJECT
+    assert group.rejection is Rejection.SYMBOLIC_WIDTH
     assert re.match(r"capture 0 has a symbolic width \w+ along the concat dim", group.reason), group.reason
 
 

@@ -23,7 +23,7 @@ from compile_pass.capture_pass import TARGETS
 from compile_pass.dataflow import copy_graph
 from compile_pass.find import classify_producer
 from compile_pass.cost import planned_peak
-from compile_pass.groups import Decision, Producer, Strategy
+from compile_pass.groups import Decision, Producer, Rejection, Strategy
 from compile_pass.liveness import LivenessModel, estimate_memory
 from compile_pass.memory import measure_peak
 from compile_pass.plan import GraphFacts, plan_group
@@ -259,16 +259,20 @@ def test_rejections_carry_reasons():
 
     x, w = torch.randn(8, 4), torch.randn(4, 4)
     [g] = run_capture_pass(dynamo_graph(mixed, x, w), "dynamo").groups
-    assert g.decision is Decision.REJECT and "torch.float64" in g.reason and "type-promotes" in g.reason
+    assert g.decision is Decision.REJECT and g.rejection is Rejection.MIXED_DTYPES
+    assert "torch.float64" in g.reason and "type-promotes" in g.reason
     [g] = run_capture_pass(dynamo_graph(one_block, x, w), "dynamo").groups
-    assert g.decision is Decision.REJECT and "one block" in g.reason
+    assert g.decision is Decision.REJECT and g.rejection is Rejection.ONE_BLOCK and "one block" in g.reason
+    assert g.to_dict()["rejection"] == "one block"
+    with pytest.raises(TypeError, match="a rejection needs a Rejection, got 'why'"):
+        g.reject("why", "detail")
 
 
 def test_captures_that_require_grad_are_left_alone(decoder_and_input):
     model, x = decoder_and_input
     gm = dynamo_graph(model, x, grad=True)
     [g] = run_capture_pass(gm, "dynamo", cost_model=False).groups
-    assert g.decision is Decision.REJECT and "require grad" in g.reason
+    assert g.rejection is Rejection.REQUIRES_GRAD and "require grad" in g.reason
     # after AOTAutograd the forward graph runs without autograd: rewritten
     gm = aot_graph(model, x)
     [g] = run_capture_pass(gm, "aot", cost_model=False).groups
@@ -282,7 +286,7 @@ def test_no_drop_is_rejected_with_the_estimates():
     capture_groups = [g for g in result.groups if g.k == model.num_captures]
     assert len(capture_groups) == 1
     g = capture_groups[0]
-    assert g.decision is Decision.REJECT and "would not drop" in g.reason
+    assert g.rejection is Rejection.NO_SAVING and "would not drop" in g.reason
     assert g.estimated_peak_before is not None and g.estimated_peak_after >= g.estimated_peak_before
     assert not result.changed and result.code_after == result.code_before
 
@@ -442,7 +446,7 @@ def post_grad_graphs():
 def test_changed_span_bounds_what_the_rewrite_changes(post_grad_graphs, name, target):
     """Outside ``changed_span`` the rewritten copy's live bytes equal the original's, node
     for node, for every group the hoisting planner plans on these graphs."""
-    from compile_pass.capture_pass import _liveness, _trial_rewrite
+    from compile_pass.capture_pass import _trial_rewrite
     from compile_pass.cost import changed_span
 
     gm = post_grad_graphs[name]
@@ -451,11 +455,11 @@ def test_changed_span_bounds_what_the_rewrite_changes(post_grad_graphs, name, ta
         plan_group(group, GraphFacts(gm.graph), runs_as_is=False, hoist=True)
         if group.decision is not Decision.FOUND:
             continue
-        model = _liveness(gm.graph, TARGETS[target])
+        model = TARGETS[target].liveness(gm.graph)
         first, last = changed_span(model, group)
         trial, _ = _trial_rewrite(gm.graph, group)
         assert trial is not None, group.reason
-        before, after = model.timeline(), _liveness(trial, TARGETS[target]).timeline()
+        before, after = model.timeline(), TARGETS[target].liveness(trial).timeline()
         live_after = dict(zip(after.node_names, after.live_bytes))
         compared = 0
         for i, (node, live) in enumerate(zip(before.node_names, before.live_bytes)):
@@ -496,7 +500,7 @@ def test_hoisted_plans_are_priced_as_their_rewritten_graph(post_grad_graphs, nam
     every group the hoisting planner plans (the post_grad target: Inductor's cost model),
     on the graph as AOTAutograd makes it and with every capture producer moved right
     before its concat, as Inductor's locality reordering moves them."""
-    from compile_pass.capture_pass import _liveness, _trial_rewrite
+    from compile_pass.capture_pass import _trial_rewrite
 
     original = post_grad_graphs[name]
     for reorder in (False, True):
@@ -513,10 +517,10 @@ def test_hoisted_plans_are_priced_as_their_rewritten_graph(post_grad_graphs, nam
             if group.decision is not Decision.FOUND:
                 continue
             hoisted += sum(c.hoist_after is not None for c in group.captures)
-            model = _liveness(gm.graph, TARGETS[target], except_cat=group.cat)
+            model = TARGETS[target].liveness(gm.graph, except_cat=group.cat)
             trial, _ = _trial_rewrite(gm.graph, group)
             assert trial is not None, group.reason
-            assert planned_peak(model, group) == _liveness(trial, TARGETS[target]).peak(), \
+            assert planned_peak(model, group) == TARGETS[target].liveness(trial).peak(), \
                 (group.key, reorder)
         assert hoisted > 0 or not reorder
 
@@ -532,7 +536,6 @@ def test_derived_liveness_equals_a_sweep_from_scratch(request, name):
     (derived from the plain one) equal the whole-graph sweep, for Inductor's own concat map
     and for random maps (values computed into later or earlier values, graph inputs,
     chains), on functional graphs and on a Dynamo graph with in-place writes."""
-    from compile_pass.capture_pass import _liveness
     from compile_pass.dataflow import NodeTable
     from compile_pass.liveness import LivenessModel
 
@@ -542,7 +545,7 @@ def test_derived_liveness_equals_a_sweep_from_scratch(request, name):
         gm = request.getfixturevalue("post_grad_graphs")[name]
     table = NodeTable(gm.graph)
     target = TARGETS["dynamo_lifted" if name == "deepseek_dynamo" else "post_grad"]
-    inductor = _liveness(gm.graph, target, table=table)
+    inductor = target.liveness(gm.graph, table=table)
     assert inductor.computed_into, "Inductor computes some producers into a concat here"
     maps = [dict(inductor.computed_into)]
     rng = random.Random(0)

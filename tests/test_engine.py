@@ -10,7 +10,7 @@ import torch
 
 from compile_pass import aux_capture_backend, pack_aux_hidden_states
 from compile_pass.groups import Decision
-from compile_pass.static_estimate import estimate_at, trace_graph
+from tools.static_estimate import estimate_at, trace_graph
 from models import engine
 
 pytestmark = pytest.mark.usefixtures("_fresh_dynamo")

@@ -1,4 +1,4 @@
-"""Differential fuzzing of the capture pass (``compile_pass/fuzz.py``).
+"""Differential fuzzing of the capture pass (``tools/fuzz.py``).
 
 - a fixed sample (``make test``): ``SEEDS`` under the eager and aot_eager inners and
   ``INDUCTOR_SEEDS`` under Inductor, each compiled with ``cost_model=False`` and compared bit
@@ -12,7 +12,7 @@
 
 Known library bugs hit by the fixed sample are strict xfails (``KNOWN_BITWISE``,
 ``KNOWN_UNHEALTHY``): they turn red once the bug is fixed. Replay any case with
-``run_case(random_spec(seed), inner)``, or ``python -m compile_pass.fuzz --start-seed S --cases 1``.
+``run_case(random_spec(seed), inner)``, or ``python -m tools.fuzz --start-seed S --cases 1``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Dict, Tuple
 import pytest
 import torch
 
-from compile_pass.fuzz import (
+from tools.fuzz import (
     DTYPES,
     KINDS,
     CaseResult,
@@ -250,7 +250,7 @@ def test_inductor_captures_round_as_computed_outside_the_concat(seed) -> None:
     that found the seeds, it does not for seed 266 on an AVX512 one): where it does, the case passes only
     through that reference and is counted as ``own_kernel_rounding``; where it does not, the
     pass equals the stock build and nothing is counted."""
-    from compile_pass.fuzz import _compare, _compiled_run, _inputs_realized_run, _packed_outputs, build_case
+    from tools.fuzz import _compare, _compiled_run, _inputs_realized_run, _packed_outputs, build_case
 
     result = _result(seed, "inductor")
     assert result.ok, result.describe()

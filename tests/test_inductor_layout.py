@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import compile_pass.fuzz  # noqa: F401  (registers cp_fuzz::add_norm_ and cp_fuzz::scale)
+import tools.fuzz  # noqa: F401  (registers cp_fuzz::add_norm_ and cp_fuzz::scale)
 from compile_pass import aux_capture_backend
 from compile_pass.ops import binary_into_slice_, write_slice_
 

@@ -29,6 +29,7 @@ import models.dflash  # noqa: E402
 from compile_pass import (  # noqa: E402
     Decision,
     GroupKind,
+    Rejection,
     aux_capture_backend,
     find_output_groups,
     measure_peak,
@@ -156,7 +157,7 @@ def test_output_group_skips_a_result_as_deep_as_the_last_capture():
 
 
 def _returns_hidden_then_captures_ending_with_one_output_of_a_pair(x, w):
-    import compile_pass.fuzz  # noqa: F401 - registers cp_fuzz::scale_pair
+    import tools.fuzz  # noqa: F401 - registers cp_fuzz::scale_pair
 
     aux, h = [], x
     for i in range(3):
@@ -182,18 +183,19 @@ def test_one_output_of_a_multi_output_op_is_as_deep_as_the_op():
     assert hidden.untyped_storage().data_ptr() != aux[0].untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("fn, reason", [
-    (lambda x, w: (lambda v: [v, torch.tanh(v @ w)])((x @ w).repeat(1, 2)[:, :16]), "is a view"),
+@pytest.mark.parametrize("fn, why, reason", [
+    (lambda x, w: (lambda v: [v, torch.tanh(v @ w)])((x @ w).repeat(1, 2)[:, :16]),
+     Rejection.RETURNED_ALIAS, "is a view"),
     (lambda x, w: (lambda c: [c, c, torch.tanh(c @ w)])(torch.tanh(x @ w) + 1),
-     "returned more than once"),
-    (lambda x, w: [x @ w, x @ w + 1], "one block"),
+     Rejection.RETURNED_TWICE, "returned more than once"),
+    (lambda x, w: [x @ w, x @ w + 1], Rejection.ONE_BLOCK, "one block"),
 ])
-def test_output_groups_that_cannot_be_packed_say_why(fn, reason):
+def test_output_groups_that_cannot_be_packed_say_why(fn, why, reason):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     gm = make_fx(fn, tracing_mode="fake")(torch.randn(8, 16), torch.randn(16, 16))  # repeats kept
     (group,) = find_output_groups(gm)
-    assert group.decision is Decision.REJECT and reason in group.reason
+    assert group.decision is Decision.REJECT and group.rejection is why and reason in group.reason
 
 
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])

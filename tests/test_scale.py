@@ -21,7 +21,7 @@ from compile_pass import run_capture_pass
 from compile_pass.dataflow import copy_graph
 from compile_pass.dataflow import sizes_at
 from compile_pass.liveness import Interval, LivenessModel, estimate_memory
-from compile_pass.static_estimate import (
+from tools.static_estimate import (
     _compiled_as_is, check_against_measured, estimate_at, graph_peak_at, trace_graph,
 )
 from models.deepseek import DeepseekModel, deepseek_v3_config

@@ -38,8 +38,10 @@ EXTEND_CASES = {
                       "Qwen2MoeForCausalLM", 0, 1.03),
     # a plain [] in its forward (no class to swap): the list adopted at the layer calls
     "gemma3_plain_list_k8": (dict(ARCH="gemma3", K="8", **TP_RANK), "Gemma3ForCausalLM", 1, 1.1),
-    # SGLang's RMSNorm with a residual in place, as its fused kernel runs (docs/sglang.md)
-    "llama_tp_rank_fused_norm_k8": (dict(NORM="fused", K="8", **TP_RANK), "LlamaForCausalLM", 0, 1.3),
+    # SGLang's RMSNorm with a residual in place, as its fused kernel runs (docs/sglang.md); the
+    # capture layers set by SGLang's DFlash path (the model's set_dflash_layers_to_capture)
+    "llama_tp_rank_fused_norm_dflash_k8": (dict(NORM="fused", K="8", SETTER="dflash", **TP_RANK),
+                                           "LlamaForCausalLM", 0, 1.3),
 }
 
 
@@ -56,6 +58,7 @@ def test_model_runner_extend_packed_in_place(tmp_path, case):
     assert res["logits_equal_no_capture"], res               # capturing leaves the model as is
     assert res["packed_views"] >= 1 and res["fallbacks"] == 0, res  # the logits pack was a view
     assert res["overhead_off"] >= least_off and res["overhead_on"] <= 1.01, res
+    assert res["setter"] == env.get("SETTER", "direct") and len(res["capture_layers"]) == int(env["K"]), res
 
 
 def test_enable_torch_compile_forward_plugin_on_equals_off(tmp_path):

@@ -22,7 +22,7 @@ from compile_pass.dataflow import NodeTable, copy_graph
 from compile_pass.inductor_pass import AuxCapturePass, CaptureTwinsPass, chain_post_grad_passes
 from compile_pass.lift import (LiftError, WithLiftedBuffers, copy_module, find_packed_buffers,
                                lift_packed_buffers)
-from compile_pass.groups import Decision
+from compile_pass.groups import Decision, Rejection
 from compile_pass.twins import capture_values, merge_capture_twins, twin_of
 
 pytestmark = pytest.mark.usefixtures("_fresh_dynamo")
@@ -242,7 +242,7 @@ def test_lifted_rewrite_is_rejected_where_the_list_path_is_clearly_cheaper():
     group = _decide_lifted(_peak_first, x, w, w)
     # a lifted buffer lives through the early peak; the list path's concat comes after it
     assert group.decision is Decision.REJECT and group.depth_span >= 2
-    assert group.reason.startswith("estimated peak would rise")
+    assert group.rejection is Rejection.LIFTED_CANNOT_PAY and group.reason.startswith("estimated peak would rise")
     assert group.estimated_peak_after > group.estimated_peak_before + group.packed_bytes // 2
 
 
@@ -347,7 +347,7 @@ def test_a_second_group_is_priced_after_the_first_is_rewritten(seed):
     """Fuzz cases with a second concat over the first's captures: once the first group is
     rewritten its concat is gone, and the second is priced on the new graph (it raised
     KeyError before: Inductor's concat model read the first group's erased concat)."""
-    from compile_pass.fuzz import build_case, random_spec
+    from tools.fuzz import build_case, random_spec
 
     spec = random_spec(seed)
     module, inputs = build_case(spec)

@@ -454,8 +454,10 @@ def test_runner_cats_are_views_only_for_adjacent_slices(plugin_off):
     aux = [buf[:, i * 16:(i + 1) * 16] for i in range(3)]
     n = 40
     for m in modules:
-        view = m.torch.cat([h[:n] for h in aux], dim=-1)  # propose_draft_token_ids, DFlash
+        view = m.torch.cat([h[:n] for h in aux], dim=-1)  # propose_draft_token_ids, Eagle3
         assert view.data_ptr() == buf.data_ptr() and torch.equal(view, buf[:n])
+        rest = m.torch.cat([h[5:n] for h in aux], dim=-1)  # DFlash: rows after the FULL graph's
+        assert rest.data_ptr() == buf[5:].data_ptr() and torch.equal(rest, buf[5:n])
         idx = torch.tensor([3, 1, 7])
         gathered = m.torch.cat([h[idx] for h in aux], dim=-1)  # a gather: still a copy
         assert torch.equal(gathered, buf[idx]) and gathered.data_ptr() != buf.data_ptr()

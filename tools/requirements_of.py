@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import re
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 _NAME = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)")
 
@@ -26,12 +26,24 @@ def canonical_name(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", match.group(1)).lower()
 
 
-def requirements(distribution: str, overrides: Sequence[str] = ()) -> List[str]:
-    """``distribution``'s requirements without optional extras, ``overrides`` applied."""
+def _wheel_requires(wheel: str) -> List[str]:
+    """The ``Requires-Dist`` lines of a wheel file's METADATA."""
+    import email
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        return email.message_from_bytes(z.read(name)).get_all("Requires-Dist") or []
+
+
+def requirements(distribution: str, overrides: Sequence[str] = (),
+                 wheel: Optional[str] = None) -> List[str]:
+    """``distribution``'s requirements without optional extras, ``overrides`` applied; read
+    from the installed distribution, or from ``wheel`` (a wheel file of it) if given."""
     by_name = {canonical_name(o): o for o in overrides}
     used = set()
     out: List[str] = []
-    for line in importlib.metadata.requires(distribution) or []:
+    for line in (_wheel_requires(wheel) if wheel else importlib.metadata.requires(distribution)) or []:
         if re.search(r"\bextra\s*==", line):
             continue
         name = canonical_name(line)
@@ -52,8 +64,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("distribution")
     parser.add_argument("--override", action="append", default=[],
                         help="a requirement replacing the one of the same name")
+    parser.add_argument("--wheel", help="read the requirements from this wheel file instead")
+    parser.add_argument("--only", help="print only the requirement of this project name")
     args = parser.parse_args(argv)
-    print("\n".join(requirements(args.distribution, args.override)))
+    found = requirements(args.distribution, args.override, args.wheel)
+    if args.only:
+        found = [r for r in found if canonical_name(r) == canonical_name(args.only)]
+    print("\n".join(found))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
-import pathlib
 import re
 from typing import Any, Optional
 
@@ -63,7 +62,7 @@ from compile_pass.integrations.sglang_seams import warn as _warn
 from compile_pass.packer import pack_aux_hidden_states as _cp_pack
 
 __all__ = ["register", "enable", "enabled_by_env", "PackingAuxHiddenStateList", "pack_view",
-           "covered_models", "STATE"]
+           "capture_style", "STATE"]
 
 logger = logging.getLogger("compile_pass.sglang")
 
@@ -216,22 +215,44 @@ def _find_k(model: Any) -> Optional[int]:
         return None
 
 
+#: capture styles: how a model's layer loop collects its captures
+PACKING_LIST_STYLE, PACKER_STYLE, PLAIN_LIST_STYLE = "AuxHiddenStateList", "packer", "plain list"
+
 _style_of_class: dict = {}
 
 
 def capture_style(cls: type) -> Optional[str]:
-    """The capture style (a key of :func:`covered_models`) of the file defining ``cls``,
-    read from its source by the same rules; None: none of them, or no source."""
+    """How ``cls``'s layer loop collects its captures: ``"AuxHiddenStateList"`` (SGLang's
+    list class), ``"packer"`` (SGLang's packer) or ``"plain list"`` (a ``[]`` built in the
+    loop's method), read from the source of the first class in ``cls``'s MRO whose own body
+    shows one of them (``_style_of_source``); None: none does, or no source. Cached per
+    class."""
     if cls not in _style_of_class:
-        try:
-            import inspect
+        import inspect
 
-            style = _style_of_source(pathlib.Path(inspect.getsourcefile(cls)).read_text(
-                errors="replace"))
-        except Exception:  # noqa: BLE001 - no source: no style
-            style = None
+        style = None
+        for klass in cls.__mro__:
+            if klass is object or klass.__module__.startswith("torch."):
+                continue
+            try:
+                style = _style_of_source(inspect.getsource(klass))
+            except (OSError, TypeError):  # no source: not this one
+                continue
+            if style is not None:
+                break
         _style_of_class[cls] = style
     return _style_of_class[cls]
+
+
+def _style_of_source(src: str) -> Optional[str]:
+    """The capture style a class's source shows (see ``capture_style``), or None."""
+    if re.search(r"AuxHiddenStateList\(\)", src):
+        return PACKING_LIST_STYLE
+    if "AuxHiddenStatePacker" in src:
+        return PACKER_STYLE
+    if re.search(r"aux_hidden_states\s*(?::[^=\n]+)?=\s*\[\]", src) and "layers_to_capture" in src:
+        return PLAIN_LIST_STYLE
+    return None
 
 
 #: (class, kind) pairs already named in a warning or log line: each is said once
@@ -243,7 +264,7 @@ def _plain_list_holder(holder: torch.nn.Module) -> bool:
     now carry the adoption hooks (installed once); a holder with no layers to hook is named
     in a warning, once per class."""
     cls = type(holder)
-    if capture_style(cls) != "plain list":
+    if capture_style(cls) != PLAIN_LIST_STYLE:
         return False
     hooked = list_adoption.install(holder)
     if not hooked:
@@ -410,48 +431,3 @@ def register() -> None:
         STATE["reason"] = f"{ENV} is not set"
         return
     enable(apply=False)
-
-
-def covered_models(models_dir: Optional[str] = None) -> dict:
-    """Model files of the installed SGLang by capture style, read from their source."""
-    if models_dir is None:
-        import importlib.util
-
-        spec = importlib.util.find_spec("sglang.srt.models")
-        models_dir = list(spec.submodule_search_locations)[0]
-    out = {"AuxHiddenStateList": [], "packer": [], "plain list": []}
-    for path in sorted(pathlib.Path(models_dir).glob("*.py")):
-        style = _style_of_source(path.read_text(errors="replace"))
-        if style is not None:
-            out[style].append(path.stem)
-    return out
-
-
-def _style_of_source(src: str) -> Optional[str]:
-    """How a model file collects its captures: SGLang's list class, SGLang's packer, or a
-    plain ``[]`` (with capture layers); None: it does not capture."""
-    if re.search(r"AuxHiddenStateList\(\)", src):
-        return "AuxHiddenStateList"
-    if "AuxHiddenStatePacker" in src:
-        return "packer"
-    if re.search(r"aux_hidden_states\s*=\s*\[\]", src) and "layers_to_capture" in src:
-        return "plain list"
-    return None
-
-
-def covered_models_markdown(models_dir: Optional[str] = None) -> str:
-    """The covered-models list of docs/sglang.md, generated from the installed SGLang."""
-    cov = covered_models(models_dir)
-    notes = {"AuxHiddenStateList": "packed in place by the plugin (eager)",
-             "packer": "already pack with SGLang's packer and return one tensor: nothing to do",
-             "plain list": "a `[]` in forward: the list adopted at the model's layer "
-                           "boundaries and packed in place (eager)"}
-    lines = []
-    for style, models in cov.items():
-        lines.append(f"- **{style}** ({len(models)}; {notes[style]}): "
-                     + ", ".join(f"`{m}`" for m in models))
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":  # python -m compile_pass.integrations.sglang
-    print(covered_models_markdown())

@@ -79,7 +79,7 @@ of a ``mutated_after`` ``input:copy_`` capture and the fused residual
 
 Replay one case: ``run_case(random_spec(seed), "aot_eager")``. Fuzz from the shell::
 
-    python -m compile_pass.fuzz --cases 300 --inners eager,aot_eager --inductor-every 50
+    python -m tools.fuzz --cases 300 --inners eager,aot_eager --inductor-every 50
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def _register_ops() -> None:
         return None
 
 
-if __name__ != "__main__":  # run as a script, the imported compile_pass.fuzz registers them
+if __name__ != "__main__":  # run as a script, the imported tools.fuzz registers them
     _register_ops()
 
 
@@ -1390,7 +1390,7 @@ def format_summary(summary: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m compile_pass.fuzz", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=100)
     parser.add_argument("--inners", default="eager,aot_eager",
                         help="comma-separated inners run on every case (eager, aot_eager, inductor)")
@@ -1410,6 +1410,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    import compile_pass.fuzz as _fuzz  # one copy of the module (and of its custom ops)
+    import tools.fuzz as _fuzz  # one copy of the module (and of its custom ops)
 
     sys.exit(_fuzz.main())
