@@ -23,6 +23,11 @@ demo: $(VENV)/.installed-test
 test: $(VENV)/.installed-test,hf
 	$(PYTHON) -m pytest -q
 
+# The suite without its slow tiers (Inductor compiles, the fuzz sample, subprocess dry runs,
+# DeepSeek-shaped fixtures): the loop while editing. make test runs everything.
+test-fast: $(VENV)/.installed-test,hf
+	$(PYTHON) -m pytest -q -m "not inductor and not slow"
+
 # The torch releases serving engines pin (SGLang 0.5.23: 2.14.1; vLLM 0.33.0 and 0.34.0 pin
 # 2.14.0, the same minor), the newest release (2.15.0) and the GPU machine's (2.11.0), each in
 # its own venv cached outside the clone (COMPAT_DIR; CUDA builds, about 5 GB each, run on the

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import re
-import sys
 import warnings
 from typing import List, Tuple
 
@@ -22,7 +21,6 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compile_pass  # noqa: E402
 import compile_pass.capture_pass as capture_pass  # noqa: E402

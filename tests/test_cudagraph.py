@@ -17,15 +17,12 @@ run is compared with a tolerance.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models  # noqa: E402
 from compile_pass import Decision, aux_capture_backend  # noqa: E402

@@ -8,8 +8,6 @@ once per configuration, the FX graph cache shared between them.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import List
 
 import pytest
@@ -18,8 +16,6 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from functorch.compile import make_boxed_func
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import models.communicator as communicator  # noqa: E402
 from compile_pass import aux_capture_backend, pack_aux_hidden_states  # noqa: E402
@@ -151,6 +147,7 @@ def test_piecewise_inductor_captures_equal_the_uncompiled_model(config):
 # --------------------------------------------------------------------------- dynamic token counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
 def test_one_compile_serves_every_token_count(inner):
     from dynamic_tokens import run_sweep

@@ -87,6 +87,7 @@ def test_inductor_with_the_pass_matches_the_build_without_captures():
     assert any(r.lifted is not None for r in backend.results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg, rewritten", [(engine.llama_3_1_70b(tp=8), True),
                                             (engine.llama_3_1_8b(tp=1), False)],
                          ids=["70b-tp8", "8b-tp1"])

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 import compile_pass  # noqa: E402
 import models.dflash  # noqa: E402
@@ -267,6 +266,7 @@ def test_explain_model_that_raises():
 # --------------------------------------------------------------------------- CLI tests
 
 
+@pytest.mark.slow
 def test_cli_diff_shows_the_rewrite(cli):
     run = cli["dflash"]
     assert run.returncode == 0, run.stderr
@@ -349,7 +349,6 @@ def test_cli_bad_input_is_one_line_exit_2(cli, name, message):
 def test_cli_reference_models(cli, spec):
     run = cli[spec]
     assert run.returncode == 0, run.stderr
-    assert run.seconds < 60, run.seconds
     assert re.search(r"^\s+#\s+concat\s+K\s+widths\s+dtype\s+packed\s+decision\s+reason",
                      run.stdout, re.M), run.stdout
     assert "estimated peak: before" in run.stdout

@@ -34,6 +34,8 @@ from tools.fuzz import (
     run_case,
 )
 
+pytestmark = pytest.mark.slow  # the fuzz sample: a tier of its own (make test-fast leaves it out)
+
 SEEDS = tuple(range(40))
 INNERS = ("eager", "aot_eager")
 #: 34: split, a capture equal to the residual and mutated in a later piece (the twins pass

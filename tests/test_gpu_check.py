@@ -124,6 +124,7 @@ def clean_copy(tmp_path_factory):
 # --------------------------------------------------------------------------- the dry run
 
 
+@pytest.mark.slow
 def test_dry_run_from_a_clean_copy(clean_copy, tmp_path):
     """make gpu-dry-run's flow, from a copy without install (``PYTHONPATH=.``): preflight,
     the gpu tests (skipped on CPU, as without COMPILE_PASS_REQUIRE_GPU), the benchmark. For
@@ -194,6 +195,7 @@ def test_gpu_check_does_not_need_the_backend_name():
 # --------------------------------------------------------------------------- failures
 
 
+@pytest.mark.slow
 def test_failing_row_leaves_the_other_rows(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
@@ -220,6 +222,7 @@ def test_failing_row_leaves_the_other_rows(tmp_path):
     assert "ERROR in llama/runner/list/16: SimulatedFailure" in proc.stdout
 
 
+@pytest.mark.slow
 def test_hanging_test_is_cut_and_results_stay(tmp_path):
     """Per-test timeout: the hanging test fails with its traceback, the next test runs,
     junit XML and summary are written. COMPILE_PASS_REQUIRE_GPU=1 (what gpu-check sets on
@@ -248,6 +251,7 @@ def test_hanging_test_is_cut_and_results_stay(tmp_path):
     assert set(tests["files"]) >= {"gpu_tests.xml", "gpu_tests.log", "gpu_tests_hangs.log"}
 
 
+@pytest.mark.slow
 def test_step_past_its_limit_gets_sigint_and_keeps_junit(tmp_path):
     """No per-test timeout: the step's own limit sends SIGINT (not SIGTERM), so pytest
     stops and still writes its junit XML with the test that passed."""
@@ -266,6 +270,7 @@ def test_step_past_its_limit_gets_sigint_and_keeps_junit(tmp_path):
     assert "KeyboardInterrupt" in proc.stdout
 
 
+@pytest.mark.slow
 def test_preflight_without_cuda_fails_loudly(tmp_path):
     out = tmp_path / "out"
     proc = _gpu_check(["--device", "cuda", "--out", str(out)])
@@ -286,13 +291,9 @@ def test_preflight_without_cuda_fails_loudly(tmp_path):
 def bench_module():
     spec = importlib.util.spec_from_file_location(
         "gpu_capture_memory", os.path.join(ROOT, "benchmarks", "gpu_capture_memory.py"))
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_capture_memory"] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_capture_memory"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
     return module
 
 

@@ -15,7 +15,7 @@ Each config is compiled once per capture mode in a module fixture; the tests rea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import pytest
 import torch

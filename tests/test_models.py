@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models  # noqa: E402
 from compile_pass import AuxHiddenStateList, pack_aux_hidden_states  # noqa: E402

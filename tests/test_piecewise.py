@@ -8,9 +8,7 @@ Inductor test (marked) compiling the tiny DFlash piecewise with and without the 
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 import warnings
 import weakref
 from typing import List
@@ -21,7 +19,6 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch.fx.passes.split_module import split_module
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import compile_pass  # noqa: E402
 import models  # noqa: E402
@@ -240,6 +237,7 @@ def test_pack_outputs_off_by_default_and_rewrite_false_keeps_lists():
 # --------------------------------------------------------------------------- piecewise
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
 @pytest.mark.parametrize("rewrite", [False, True])
 def test_split_ops_pieces_equal_the_module(inner, rewrite):
@@ -262,6 +260,7 @@ def test_split_ops_pieces_equal_the_module(inner, rewrite):
     assert len(rewritten) == (1 if rewrite else 0)
 
 
+@pytest.mark.slow
 def test_split_aot_eager_pieces_write_the_buffer_in_place():
     """No whole-buffer copy: every functional write became an in-place write_slice_."""
     model, inputs = _dflash("list")
@@ -288,6 +287,7 @@ def test_split_aot_eager_pieces_write_the_buffer_in_place():
     assert "auto_functionalized" not in code and "aten.copy_" not in code
 
 
+@pytest.mark.slow
 def test_split_piecewise_peak_matches_the_packer():
     """Captures in early pieces, the cat in the last: the pass brings the piecewise list path
     to the packer's overhead (<= 1.05x packed) where the pass-off split pays the cat."""

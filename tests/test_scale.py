@@ -156,12 +156,12 @@ def _pass_cpu_seconds(gm: fx.GraphModule, repeats: int = 5) -> float:
     return min(times[1:])
 
 
+@pytest.mark.slow
 def test_pass_time_grows_about_linearly_with_layers() -> None:
     """DeepSeek-V3 dimensions (MLA, MoE, in-place residual) on meta, 4 and 16 layers: the pass
-    on the 16-layer graph (4.5x the nodes) takes under 8x the time of the 4-layer one, and
-    under 0.5 s of CPU (about 0.03 s here). Generous bounds for a loaded machine; the
-    16/32/61-layer numbers are benchmarks/pass_speed.py's."""
+    on the 16-layer graph (4.5x the nodes) takes under 8x the CPU time of the 4-layer one (a
+    ratio of two runs on the same machine, not a time bound; the 16/32/61-layer times are
+    benchmarks/pass_speed.py's)."""
     small, large = _deepseek_v3_graph(4), _deepseek_v3_graph(16)
     t_small, t_large = _pass_cpu_seconds(small), _pass_cpu_seconds(large)
-    assert t_large < 0.5, t_large
     assert t_large < 8 * t_small, (t_small, t_large)

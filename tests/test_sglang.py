@@ -304,11 +304,6 @@ class _HolderLayers(torch.nn.Module):
         self.layers_to_capture = [0, 2, 3]
         self.dot_forward = dot_forward
 
-    def step(self, layer, x):
-        return layer.forward(x) if self.dot_forward else layer(x)
-
-    def end(self, x):
-        return self.norm(x) if hasattr(self, "norm") else x
 
 
 class PlainListHolder(_HolderLayers):
@@ -321,8 +316,8 @@ class PlainListHolder(_HolderLayers):
         for i, layer in enumerate(getattr(self, "layers", [])):
             if i in self.layers_to_capture:
                 aux_hidden_states.append(x + 1)
-            x = self.step(layer, x)
-        return self.end(x), aux_hidden_states
+            x = layer.forward(x) if self.dot_forward else layer(x)  # called from forward itself
+        return (self.norm(x) if hasattr(self, "norm") else x), aux_hidden_states
 
 
 class HelperListHolder(_HolderLayers):
@@ -334,8 +329,8 @@ class HelperListHolder(_HolderLayers):
         for i, layer in enumerate(getattr(self, "layers", [])):
             if i in self.layers_to_capture:
                 captures.append(x + 1)
-            x = self.step(layer, x)
-        return self.end(x), captures
+            x = layer.forward(x) if self.dot_forward else layer(x)
+        return (self.norm(x) if hasattr(self, "norm") else x), captures
 
 
 def test_capture_style_read_from_the_real_model_files():

@@ -1,17 +1,18 @@
-"""``--enable-torch-compile``: the Inductor config the SGLang plugin sets (``make sglang``).
+"""``--enable-torch-compile``: the Inductor config the SGLang plugin scopes to SGLang's
+compile (``make sglang``).
 
-SGLang compiles ``model.forward`` with plain ``torch.compile`` (Inductor, the global
-``torch._inductor.config``). What the plugin sets there is tested on that layer: its three
-keys chained after the user's passes, the stock-Inductor clone-of-residual hazard (a
-``residual.clone()`` of an input a fused op mutates) returned as a copy, and the held-out
-communicator-style decoder (models/communicator.py) compiled whole by plain
-``torch.compile`` equal to the uncompiled model, its cat rewritten into a packed buffer.
+SGLang compiles ``model.forward`` with plain ``torch.compile`` (Inductor, whatever
+``torch._inductor.config`` holds) inside its ``patch_model`` context. The plugin's around-hook
+opens config patches with this project's passes for as long as that context is open. Tested
+on that layer: the three keys chained after the user's passes inside, the config as it was
+outside; through SGLang's own CPU ``patch_model``; the stock-Inductor clone-of-residual hazard
+(a ``residual.clone()`` of an input a fused op mutates) returned as a copy; the held-out
+communicator-style decoder (models/communicator.py) compiled whole by plain ``torch.compile``
+equal to the uncompiled model, its cat rewritten into a packed buffer.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 
@@ -21,7 +22,6 @@ import torch  # noqa: E402
 import torch._inductor.config as ic  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models.communicator as communicator  # noqa: E402
 
 from compile_pass.inductor_pass import (AuxCapturePass, CaptureTwinsPass,  # noqa: E402
@@ -39,22 +39,22 @@ def _flat(pass_):
 
 @pytest.fixture(autouse=True)
 def _inductor_config_restored():
-    """Every test starts with the three keys unset and leaves Inductor's config as it was
-    (the plugin sets the global config); no FX graph cache (a cache hit runs no pass)."""
+    """Every test starts with the three keys unset and leaves Inductor's config as it was;
+    no FX graph cache (a cache hit runs no pass)."""
     with ic.patch({**{k: None for k in p.INDUCTOR_KEYS}, "fx_graph_cache": False}):
         yield
 
 
 @pytest.fixture
 def plugin_config(monkeypatch):
-    """Inductor's global config as the plugin leaves it."""
+    """Inductor's config inside the plugin's compile scope (what SGLang's compile sees)."""
     monkeypatch.delenv(p.ENV_COMPILE, raising=False)
     monkeypatch.setitem(p.STATE, "inductor", {})
-    p._set_compile_pass()
-    return ic
+    with p.compile_config_patch():
+        yield ic
 
 
-def test_three_keys_chained_after_the_users_passes(monkeypatch):
+def test_three_keys_chained_after_the_users_passes_inside_the_scope_only(monkeypatch):
     def user_pre(g):
         return None
 
@@ -68,11 +68,33 @@ def test_three_keys_chained_after_the_users_passes(monkeypatch):
     ic.post_grad_custom_post_pass = user_post
     ic.joint_custom_pre_pass = user_joint
     monkeypatch.delenv(p.ENV_COMPILE, raising=False)
-    p._set_compile_pass()
-    pre, post, joint = (_flat(getattr(ic, k)) for k in p.INDUCTOR_KEYS)
+    with p.compile_config_patch():
+        pre, post, joint = (_flat(getattr(ic, k)) for k in p.INDUCTOR_KEYS)
     assert pre[0] is user_pre and [type(x) for x in pre[1:]] == [CaptureTwinsPass]
     assert post[0] is user_post and [type(x) for x in post[1:]] == [AuxCapturePass, DistinctOutputsPass]
     assert joint[0] is user_joint and [type(x) for x in joint[1:]] == [ReturnedCopiesPass]
+    # the process's config is the user's again once the scope closes
+    assert (ic.post_grad_custom_pre_pass, ic.post_grad_custom_post_pass, ic.joint_custom_pre_pass) \
+        == (user_pre, user_post, user_joint)
+
+
+def test_sglangs_own_patch_model_scopes_the_passes(monkeypatch):
+    """The around-hook on SGLang's CPU ``patch_model`` (its real context manager): the
+    passes are set while its context is open, and only then."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor import cpu_graph_runner
+
+    monkeypatch.delenv(p.ENV_COMPILE, raising=False)
+    model = torch.nn.Linear(4, 4)
+    group = SimpleNamespace(ca_comm=None)
+    with p._compile_scope(cpu_graph_runner.patch_model, model, True, 4, group) as forward:
+        inside = [type(x) for x in _flat(ic.post_grad_custom_post_pass)]
+        assert callable(forward)
+    assert inside == [AuxCapturePass, DistinctOutputsPass]
+    assert ic.post_grad_custom_post_pass is None and ic.joint_custom_pre_pass is None
+    with p._compile_scope(cpu_graph_runner.patch_model, model, False, 4, group) as forward:
+        assert forward == model.forward  # compile off: SGLang's own forward, the scope still set
 
 
 def test_none_set_gives_exactly_the_projects_passes(plugin_config):
@@ -84,8 +106,15 @@ def test_none_set_gives_exactly_the_projects_passes(plugin_config):
 
 def test_compile_switch_off_leaves_inductor_alone(monkeypatch):
     monkeypatch.setenv(p.ENV_COMPILE, "0")
-    p._set_compile_pass()
+    assert p.compile_config_patch() is None
     assert all(getattr(ic, k) is None for k in p.INDUCTOR_KEYS)
+
+
+def test_lite_mode_sets_no_pass_and_says_so(monkeypatch):
+    monkeypatch.delenv(p.ENV_COMPILE, raising=False)
+    with ic.patch(use_post_grad_passes=False):
+        with pytest.warns(RuntimeWarning, match="use_post_grad_passes is False .*lite mode"):
+            assert p.compile_config_patch() is None
 
 
 _W = torch.randn(8)
@@ -128,11 +157,13 @@ def test_communicator_decoder_whole_graph_equals_uncompiled_and_packs():
     with torch.no_grad():
         ref_h, ref_aux = model(x)
         for plugin in ("off", "on"):
-            if plugin == "on":
-                p._set_compile_pass()
             torch._dynamo.reset()
             compiled = torch.compile(model, backend="inductor", fullgraph=True)
-            compiled(x)
+            if plugin == "on":
+                with p.compile_config_patch():  # SGLang compiles inside patch_model's scope
+                    compiled(x)
+            else:
+                compiled(x)
             peak = measure_peak(compiled, x)
             got_h, got_aux = peak.result
             torch.testing.assert_close(got_aux, ref_aux, rtol=1e-5, atol=1e-5)

@@ -63,10 +63,12 @@ def test_model_runner_extend_packed_in_place(tmp_path, case):
 
 def test_enable_torch_compile_forward_plugin_on_equals_off(tmp_path):
     """SGLang's compile of model.forward (its set_torch_compile_config and patch_model):
-    with the plugin (its list and its Inductor config) the same graphs, peak and outputs."""
+    with the plugin (its list, and its passes scoped to patch_model's context by the
+    around-hook) the same graphs, peak and outputs; the capture pass ran in that compile."""
     res = _bench(tmp_path, COMPILE="1", K="3", LAYERS="4", NREQ="2", LEN="256")
     assert res["on_vs_off_bitwise"], res
     assert res["compiled_peak_on"] <= res["compiled_peak_off"], res
     assert res["on_max_abs_vs_uncompiled"] < 1e-4 and res["logits_on_max_abs_vs_uncompiled"] < 1e-4, res
     assert set(res["plugin_inductor"]) == {"post_grad_custom_pre_pass", "post_grad_custom_post_pass",
                                            "joint_custom_pre_pass"}
+    assert res["aux_capture"].get("groups_found", 0) >= 1, res  # the pass ran inside SGLang's compile

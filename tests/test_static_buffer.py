@@ -8,14 +8,11 @@ token counts: same address, bitwise equal to the uncompiled model, no recompile.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import List
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models  # noqa: E402
 from compile_pass import AuxCaptureError, aux_capture_backend  # noqa: E402
@@ -115,6 +112,7 @@ def _compiled_at_two_sizes(name: str, inner: str, **overrides) -> None:
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, inner", [("llama", "eager"), ("deepseek", "eager"), ("llama", "aot_eager")])
 def test_compiled_dynamic_writes_one_buffer_at_two_sizes(name, inner):
     _compiled_at_two_sizes(name, inner)

@@ -23,14 +23,11 @@ spawn one pair of processes for the whole module; the sharding tests need no pro
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Dict, List
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import models.llama  # noqa: E402
 from models.tp_llama import (  # noqa: E402
@@ -208,6 +205,7 @@ def test_one_rank_tp_is_bitwise_the_single_process_model(tmp_path):
 # --------------------------------------------------------------------------- 2 ranks: eager, aot_eager
 
 
+@pytest.mark.slow
 def test_tp_uncompiled_close_to_single_process_and_ranks_agree(runs, reference):
     for rep in runs:
         assert rep.error is None, f"rank {rep.rank} failed:\n{rep.error}"

@@ -30,7 +30,7 @@ import sys
 import warnings
 from collections import deque
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 DRAFT_MODULES = re.compile(r"(_eagle3?|_nextn|_mtp|eagle)$")
 DRAFT_CLASSES = re.compile(r"(NextN|MTP|Eagle3?)$")
@@ -65,7 +65,6 @@ def loop_class(entry: type) -> Optional[type]:
     """The class whose ``forward`` runs ``entry``'s capture loop (see the module docstring)."""
     import torch
 
-    from compile_pass.integrations.sglang import capture_style
 
     seen = set()
     queue = deque([entry])

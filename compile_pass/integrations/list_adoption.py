@@ -29,9 +29,10 @@ dtype or device, more than K entries, an entry that needs grad) stops adoption f
 forward with a reason in :attr:`ListAdoption.reason`; the entries already moved hold the same
 values, so the pack's concatenation gives the same result as without adoption.
 
-On Python 3.11 and 3.12 ``frame.f_locals`` of a function frame is a snapshot dict kept on the
-frame; it is cleared after each read, or it would keep every local of that moment alive until
-the forward returns (the fast locals the function runs on are not touched).
+The frame is read only through ``frames.py`` (the caller's frame, the lists among its locals;
+nothing writes a frame's variables), whose Python-version semantics are tested on 3.11, 3.12
+and 3.13. The buffer and each entry's slot are the packer's (``AuxHiddenStatePacker.slot``),
+which checks the fit.
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ import contextlib
 import contextvars
 import inspect
 import logging
-import sys
 import types
 from dataclasses import dataclass
 from typing import Any, FrozenSet, Iterator, Optional
 
 import torch
+
+from compile_pass.integrations.frames import caller_frame, lists_in_frame
+from compile_pass.packer import AuxCaptureError, AuxHiddenStatePacker
 
 __all__ = ["ListAdoption", "adopting", "install", "complete", "holder_codes"]
 
@@ -66,7 +69,7 @@ class ListAdoption:
     num_captures: int
     codes: FrozenSet[types.CodeType]
     captures: Optional[list] = None
-    buffer: Optional[torch.Tensor] = None
+    packer: Optional[AuxHiddenStatePacker] = None  # made at the first move
     moved: int = 0
     moves: int = 0
     boundaries: int = 0
@@ -75,6 +78,13 @@ class ListAdoption:
     @property
     def owner(self) -> str:
         return type(self.holder).__qualname__
+
+    @property
+    def buffer(self) -> Optional[torch.Tensor]:
+        """The packed buffer, once all K entries moved into it (None before)."""
+        if self.packer is None or len(self.packer) < self.packer.num_captures:
+            return None
+        return self.packer.finalize()
 
     @property
     def moved_all_at_once(self) -> bool:
@@ -136,11 +146,8 @@ def install(holder: torch.nn.Module) -> int:
 
 def _holder_frame(state: ListAdoption) -> Optional[types.FrameType]:
     """The holder's frame if it called the module whose pre-hook runs, else None."""
-    frame = sys._getframe(2)  # 0: this, 1: the hook, 2: nn.Module's call machinery
-    for _ in range(_MAX_MODULE_FRAMES):
-        if frame is None or frame.f_code.co_filename != _MODULE_CALL_FILE:
-            break
-        frame = frame.f_back
+    # 0: this, 1: the hook, 2: nn.Module's call machinery (skipped), then the caller
+    frame = caller_frame(2, (_MODULE_CALL_FILE,), _MAX_MODULE_FRAMES)
     if frame is not None and frame.f_code in state.codes:
         return frame
     return None
@@ -148,19 +155,12 @@ def _holder_frame(state: ListAdoption) -> Optional[types.FrameType]:
 
 def _find_list(state: ListAdoption, frame: types.FrameType) -> Optional[list]:
     """The frame's one local of exact type ``list`` holding only tensors (None: none yet)."""
-    snapshot = frame.f_locals
-    try:
-        lists = {id(v): v for v in snapshot.values()
-                 if type(v) is list and v and all(isinstance(t, torch.Tensor) for t in v)}
-    finally:
-        if isinstance(snapshot, dict) and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
-            snapshot.clear()  # 3.11/3.12: the snapshot would keep these locals alive
-        del snapshot
+    lists = lists_in_frame(frame, lambda v: bool(v) and all(isinstance(t, torch.Tensor) for t in v))
     if len(lists) > 1:
         state.reason = (f"{len(lists)} lists of tensors in {state.owner}.{frame.f_code.co_name}: "
                         "which one holds the captures is ambiguous")
         return None
-    return next(iter(lists.values()), None)
+    return lists[0] if lists else None
 
 
 def _move_new_entries(state: ListAdoption) -> None:
@@ -168,14 +168,16 @@ def _move_new_entries(state: ListAdoption) -> None:
     while state.reason is None and state.moved < len(captures):
         j, hidden = state.moved, captures[state.moved]
         problem = _misfit(state, j, hidden)
+        if problem is None:
+            if state.packer is None:
+                state.packer = AuxHiddenStatePacker(state.num_captures)
+            try:
+                slot = state.packer.slot(hidden)
+            except AuxCaptureError as e:
+                problem = f"capture {j} of {state.owner} does not fit the packed buffer: {e}"
         if problem is not None:
             state.reason = problem
             break
-        if state.buffer is None:
-            state.buffer = hidden.new_empty((*hidden.shape[:-1],
-                                             state.num_captures * hidden.shape[-1]))
-        width = hidden.shape[-1]
-        slot = state.buffer[..., j * width:(j + 1) * width]
         slot.copy_(hidden)
         captures[j] = slot
         state.moved += 1
@@ -183,19 +185,13 @@ def _move_new_entries(state: ListAdoption) -> None:
 
 
 def _misfit(state: ListAdoption, j: int, hidden: Any) -> Optional[str]:
+    """Why entry ``j`` cannot move, beyond what the packer's ``slot`` checks."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         return f"capture {j} of {state.owner} is {type(hidden).__name__}, not a tensor"
     if j >= state.num_captures:
         return f"{state.owner} appended capture {j}, more than K={state.num_captures}"
     if hidden.requires_grad and torch.is_grad_enabled():
         return f"capture {j} of {state.owner} requires grad: copying it would cut its graph"
-    buf = state.buffer
-    if buf is not None and (tuple(hidden.shape[:-1]) != tuple(buf.shape[:-1])
-                            or hidden.shape[-1] * state.num_captures != buf.shape[-1]
-                            or hidden.dtype != buf.dtype or hidden.device != buf.device):
-        return (f"capture {j} of {state.owner} ({tuple(hidden.shape)} {hidden.dtype} "
-                f"{hidden.device}) does not fit the packed buffer {tuple(buf.shape)} {buf.dtype} "
-                f"{buf.device} for K={state.num_captures}")
     return None
 
 

@@ -14,9 +14,9 @@ p.enable()`` before the model runner is created.
 What it does (sglang 0.5.23, through SGLang's own ``HookRegistry``):
 
 - replaces ``sglang.srt.layers.aux_hidden_states.AuxHiddenStateList`` (every module that
-  imported it) by :class:`PackingAuxHiddenStateList`, a subclass whose ``capture`` /
-  ``append`` copy each capture into its slice of one ``[tokens, K * hidden]`` buffer and
-  keep the slice (no clone: the copy is the snapshot). K is read from the model's
+  imported it) by a subclass of SGLang's class (``_make_list_class``) whose ``capture`` /
+  ``append`` copy each capture into its slot of one ``[tokens, K * hidden]`` packer buffer
+  and keep the slot (no clone: the copy is the snapshot). K is read from the model's
   ``layers_to_capture`` by an around-hook on ``ModelRunner.forward`` (a context variable,
   never a caller's frame);
 - models that append to a plain ``[]`` in ``forward`` (no class to replace): the list is
@@ -25,11 +25,13 @@ What it does (sglang 0.5.23, through SGLang's own ``HookRegistry``):
   holding ``layers_to_capture``, active only inside a capturing ``ModelRunner.forward``);
 - replaces ``pack_aux_hidden_states`` by one that returns a view when the captures are
   adjacent slices of one buffer (the logits processor's pack), else SGLang's own ``torch.cat``;
-- with ``--enable-torch-compile`` (``COMPILE_PASS_SGLANG_COMPILE=1``, default on): chains
-  this project's passes after whatever is on Inductor's global config, which SGLang's
-  compile of ``model.forward`` honours: the twins pass (post-grad pre pass), the capture
-  pass then ``DistinctOutputsPass`` (post-grad post pass, last) and ``ReturnedCopiesPass``
-  (joint-graph pre pass); see :func:`_set_compile_pass`.
+- with ``--enable-torch-compile`` (``COMPILE_PASS_SGLANG_COMPILE=1``, default on): an
+  around-hook on SGLang's ``patch_model`` (the context inside which it compiles
+  ``model.forward`` with plain ``torch.compile``) opens Inductor config patches holding this
+  project's whole-graph pass set, chained after the user's passes, for as long as that
+  context is open: the twins pass (post-grad pre pass), the capture pass then
+  ``DistinctOutputsPass`` (post-grad post pass, last) and ``ReturnedCopiesPass`` (joint-graph
+  pre pass); see :func:`compile_config_patch`. Nothing else in the process compiles with them.
 
 On an SGLang without ``AuxHiddenStateList`` (0.5.14, SpecForge 0.2.0's pin: each model
 appends to a plain ``[]`` in ``forward``) it installs the compiler way in instead
@@ -56,13 +58,14 @@ from typing import Any, Optional
 import torch
 
 from compile_pass.integrations import list_adoption
-from compile_pass.integrations.sglang_seams import (AUX_MODULE, PACKING_LIST, PLAIN_LIST, RUNNER_FORWARD,
-                                                    layout, layout_problems, probe_sglang)
+from compile_pass.integrations.sglang_seams import (AUX_MODULE, COMPILE_CONTEXTS, PACKING_LIST, PLAIN_LIST,
+                                                    RUNNER_FORWARD, layout, layout_problems, probe_sglang)
 from compile_pass.integrations.sglang_seams import warn as _warn
+from compile_pass.packer import AuxCaptureError, AuxHiddenStatePacker
 from compile_pass.packer import pack_aux_hidden_states as _cp_pack
 
-__all__ = ["register", "enable", "enabled_by_env", "PackingAuxHiddenStateList", "pack_view",
-           "capture_style", "STATE"]
+__all__ = ["register", "enable", "enabled_by_env", "pack_view", "capture_style", "compile_config_patch",
+           "STATE"]
 
 logger = logging.getLogger("compile_pass.sglang")
 
@@ -86,10 +89,10 @@ def enabled_by_env() -> bool:
 
 
 class _PackingMixin:
-    """Copy-on-capture into one packed buffer; the list holds the slices (adjacent views)."""
+    """Copy-on-capture into one packed buffer (the packer's ``slot``); the list holds the
+    slices (adjacent views)."""
 
-    _cp_buffer: Optional[torch.Tensor] = None
-    _cp_k: Optional[int] = None
+    _cp_packer: Optional[AuxHiddenStatePacker] = None
     _cp_off = False
 
     def _cp_write(self, hidden: torch.Tensor) -> bool:
@@ -107,24 +110,21 @@ class _PackingMixin:
             return False
 
     def _cp_write_slice(self, hidden: torch.Tensor) -> bool:
-        if self._cp_buffer is None:
+        if self._cp_packer is None:
             k = _num_captures.get()
             if k is None or k < 1 or hidden.dim() < 1 or len(self) != 0:
                 self._cp_off = True
                 return False
-            self._cp_k = k
-            self._cp_buffer = hidden.new_empty((*hidden.shape[:-1], k * hidden.shape[-1]))
-        buf, n, h = self._cp_buffer, len(self), hidden.shape[-1]
-        if (n >= self._cp_k or tuple(hidden.shape[:-1]) != tuple(buf.shape[:-1])
-                or h * self._cp_k != buf.shape[-1] or hidden.dtype != buf.dtype
-                or hidden.device != buf.device):
-            _warn(f"capture {n} ({tuple(hidden.shape)} {hidden.dtype}) does not fit the packed "
-                  f"buffer {tuple(buf.shape)} {buf.dtype} for K={self._cp_k}: this forward "
-                  f"captures as without the plugin")
+            self._cp_packer = AuxHiddenStatePacker(k)
+        try:
+            slot = self._cp_packer.slot(hidden)
+        except AuxCaptureError as e:
+            _warn(f"capture {len(self)} ({tuple(hidden.shape)} {hidden.dtype}) does not fit the packed "
+                  f"buffer for K={self._cp_packer.num_captures} ({e}): this forward captures as "
+                  f"without the plugin")
             STATE["fallbacks"] += 1
             self._cp_off = True
             return False
-        slot = buf[..., n * h:(n + 1) * h]
         slot.copy_(hidden)
         super().append(slot)
         return True
@@ -144,10 +144,6 @@ class _PackingMixin:
             return super().append(hidden if owned else hidden.clone())
         if not self._cp_write(hidden):
             super().append(hidden if owned else hidden.clone())
-
-
-class PackingAuxHiddenStateList(_PackingMixin, list):
-    """Stand-in base; :func:`_make_list_class` derives the one registered from SGLang's class."""
 
 
 def _make_list_class(orig: type) -> type:
@@ -338,9 +334,12 @@ def _runner_forward(original_fn, self, *args, **kwargs):
         _num_captures.reset(token)
 
 
-def _set_compile_pass() -> None:
-    """Inductor's global config for ``--enable-torch-compile`` (SGLang compiles
-    ``model.forward`` with it): each pass chained after whatever the user set there.
+def compile_config_patch() -> Optional[Any]:
+    """``torch._inductor.config.patch(...)`` holding this project's Inductor pass set for a
+    whole-graph compile (``inductor_pass_set(Build.WHOLE_GRAPH)``), each pass chained after
+    whatever Inductor's config has in its slot (the user's); None where the passes must not
+    be set: ``COMPILE_PASS_SGLANG_COMPILE=0``, a torch without the slots, or lite mode (which
+    skips every post-grad pass: a warning says so).
 
     - ``post_grad_custom_pre_pass``: ... then ``CaptureTwinsPass``;
     - ``post_grad_custom_post_pass``: ... then ``AuxCapturePass`` then ``DistinctOutputsPass``
@@ -351,29 +350,65 @@ def _set_compile_pass() -> None:
     """
     if os.environ.get(ENV_COMPILE, "1").strip().lower() in ("0", "false", "no", "off"):
         STATE["inductor"] = {}
-        return
+        return None
     try:
         import torch._inductor.config as ic
 
         from compile_pass.inductor_pass import Build, inductor_pass_set
     except Exception as e:  # torch without the APIs the pass needs
         _warn(f"the capture pass is not set for --enable-torch-compile ({e!r})")
-        return
+        return None
     missing = [k for k in INDUCTOR_KEYS if not hasattr(ic, k)]
     if missing:
         _warn(f"torch._inductor.config has no {', '.join(missing)}: the capture pass is not set "
               f"for --enable-torch-compile")
-        return
+        return None
     off = [k for k in ("use_post_grad_passes", "use_joint_graph_passes") if not getattr(ic, k, True)]
     if off:
         _warn(f"torch._inductor.config.{' and '.join(off)} is False (lite mode: "
               f"TORCHINDUCTOR_LITE_MODE=1?): Inductor would skip the capture pass, so it is not set "
               f"for --enable-torch-compile")
-        return
+        return None
     patches = inductor_pass_set(Build.WHOLE_GRAPH).config_patches()
-    for key, value in patches.items():
-        setattr(ic, key, value)
     STATE["inductor"] = {k: repr(v) for k, v in patches.items()}
+    return ic.patch(patches)
+
+
+class _CompileScope:
+    """SGLang's ``patch_model(...)`` context (``--enable-torch-compile``: the model's forward is
+    compiled, on its first call, while that context is open), entered inside
+    ``compile_config_patch()``: the passes apply to those compiles only, and Inductor's config
+    is as it was once the context closes."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.patch: Optional[Any] = None
+
+    def __enter__(self) -> Any:
+        self.patch = compile_config_patch()
+        if self.patch is not None:
+            self.patch.__enter__()
+        try:
+            return self.inner.__enter__()
+        except BaseException:
+            self._close_patch()
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            self._close_patch()
+
+    def _close_patch(self) -> None:
+        if self.patch is not None:
+            self.patch.__exit__(None, None, None)
+            self.patch = None
+
+
+def _compile_scope(original_fn, *args, **kwargs):
+    """Around-hook on SGLang's ``patch_model``: its context, scoped with the passes."""
+    return _CompileScope(original_fn(*args, **kwargs))
 
 
 def enable(*, registry: Any = None, apply: bool = True) -> bool:
@@ -414,9 +449,11 @@ def enable(*, registry: Any = None, apply: bool = True) -> bool:
                       HookType.REPLACE)
     registry.register(f"{AUX_MODULE}.pack_aux_hidden_states", pack_view, HookType.REPLACE)
     registry.register(RUNNER_FORWARD, _runner_forward, HookType.AROUND)
+    for probe_ in probes:
+        if probe_.seam.name in COMPILE_CONTEXTS and probe_.state == "ok":
+            registry.register(probe_.seam.name, _compile_scope, HookType.AROUND)
     if apply:
         registry.apply_hooks()
-    _set_compile_pass()
     STATE.update(active=True, reason="", layout=PACKING_LIST)
     logger.info("compile_pass SGLang plugin active: captures packed in place")
     return True

@@ -40,7 +40,7 @@ import torch
 
 from compile_pass.integrations.sglang_seams import LOGITS_STORE, PIECEWISE_CONTEXT, RUNNER_FORWARD
 from compile_pass.integrations.sglang_seams import warn as _warn
-from compile_pass.packer import pack_aux_hidden_states as _cp_pack
+from compile_pass.packer import packed_view
 
 __all__ = ["register", "reset", "STATE"]
 
@@ -61,7 +61,8 @@ _store_signature: List[inspect.Signature] = []
 
 def _store_hook(original_fn: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
     """SGLang's ``_get_hidden_states_to_store``, a view where a FULL capture's captures are
-    adjacent slices of one buffer."""
+    adjacent slices of one buffer (``compile_pass.packed_view``); anything else goes to
+    SGLang's own code untouched, with no concat made here (one ``[T, K*H]`` at most)."""
     if not torch.compiler.is_compiling():
         try:
             if not _store_signature:
@@ -70,10 +71,10 @@ def _store_hook(original_fn: Callable, self: Any, *args: Any, **kwargs: Any) -> 
             aux, mode = bound.get("aux_hidden_states"), bound["logits_metadata"].capture_hidden_mode
             if (isinstance(aux, (list, tuple)) and len(aux) > 1 and mode.need_capture()
                     and mode.is_full() and bound.get("hidden_states_before_norm") is None):
-                packed = _cp_pack(list(aux))
-                if packed.untyped_storage().data_ptr() == aux[0].untyped_storage().data_ptr():
+                view = packed_view(list(aux))
+                if view is not None:
                     STATE["packed"] += 1
-                    return packed
+                    return view
         except Exception as e:  # noqa: BLE001 - a layout we did not expect: SGLang's own
             logger.debug("logits store hook fell back to SGLang's: %r", e)
     return original_fn(self, *args, **kwargs)

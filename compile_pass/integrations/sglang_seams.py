@@ -18,6 +18,7 @@ do not all fit is not used; if neither fits, the plugin stays off and names what
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from typing import List, Optional, Sequence
@@ -25,7 +26,7 @@ from typing import List, Optional, Sequence
 from compile_pass.integrations.seams import (Patch, Probe, Seam, SeamAbsent, attribute, import_module,
                                              probe, require)
 
-__all__ = ["AUX_MODULE", "RUNNER_FORWARD", "LOGITS_STORE", "PIECEWISE_CONTEXT", "PACKING_LIST",
+__all__ = ["AUX_MODULE", "COMPILE_CONTEXTS", "RUNNER_FORWARD", "LOGITS_STORE", "PIECEWISE_CONTEXT", "PACKING_LIST",
            "PLAIN_LIST", "SEAMS", "TESTED", "is_tested", "layout", "probe_sglang", "sglang_version",
            "warn"]
 
@@ -37,6 +38,10 @@ LOGITS_STORE = "sglang.srt.layers.logits_processor.LogitsProcessor._get_hidden_s
 PIECEWISE_CONTEXT = ("sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph."
                      "context_manager")
 HOOK_REGISTRY = "sglang.srt.plugins.hook_registry"
+#: the context managers inside which ``--enable-torch-compile`` compiles ``model.forward``
+#: (0.5.23: the CUDA-graph runners' and the CPU graph runner's ``patch_model``)
+COMPILE_CONTEXTS = ("sglang.srt.compilation.torch_compile_decoration.patch_model",
+                    "sglang.srt.model_executor.cpu_graph_runner.patch_model")
 
 PACKING_LIST = "AuxHiddenStateList: packed in place"
 PLAIN_LIST = "plain list: compiled inner model"
@@ -94,6 +99,24 @@ def _locate_pack() -> List[Patch]:
     return []
 
 
+def _locate_compile_context(name: str):
+    def locate() -> List[Patch]:
+        module_name, attr = name.rsplit(".", 1)
+        module = import_module(module_name, absent_ok=True)
+        fn = getattr(module, attr, None)
+        if fn is None:
+            raise SeamAbsent(f"{name} is missing")
+        src = getattr(fn, "__wrapped__", fn)
+        try:
+            body = inspect.getsource(src)
+        except (OSError, TypeError):
+            body = ""
+        require("torch.compile(" in body, f"{name} no longer calls torch.compile")
+        return []
+
+    return locate
+
+
 def _locate_logits_store() -> List[Patch]:
     lp = attribute(import_module("sglang.srt.layers.logits_processor"), "LogitsProcessor")
     require(callable(getattr(lp, "_get_hidden_states_to_store", None)),
@@ -122,6 +145,10 @@ SEAMS: List[Seam] = [
          optional=True),
     Seam(f"{AUX_MODULE}.pack_aux_hidden_states", change="replaced: a view of adjacent slices",
          reason="the logits processor's pack", locate=_locate_pack, optional=True),
+    *[Seam(name, change="an around-hook: its context entered inside Inductor config patches holding "
+                        "the capture passes, so they apply to --enable-torch-compile's compiles only",
+           reason="SGLang compiles model.forward with plain torch.compile inside this context",
+           locate=_locate_compile_context(name), optional=True) for name in COMPILE_CONTEXTS],
     Seam(LOGITS_STORE, change="an around-hook: a FULL capture of adjacent slices is a view",
          reason="0.5.14's logits processor concatenates inline", locate=_locate_logits_store,
          optional=True),

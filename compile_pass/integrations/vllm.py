@@ -36,7 +36,7 @@ import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from compile_pass.integrations.seams import (Patch, PatchSet, Probe, Seam, SeamAbsent, attribute,
+from compile_pass.integrations.seams import (Patch, PatchSet, Probe, Seam, attribute,
                                              describe_problems, import_module, params, probe,
                                              require, source_of)
 
