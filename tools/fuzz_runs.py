@@ -1,0 +1,106 @@
+"""Run the differential fuzzer over a range of seeds in batches, in parallel, and write one file.
+
+    python -m tools.fuzz_runs --seeds 0-300 --batch 50 --inners inductor --jobs 2 \\
+        --out docs/results/fuzz_inductor_300.txt
+    python -m tools.fuzz_runs --seeds 0-1000 --batch 100 --inners eager,aot_eager --jobs 2 \\
+        --out docs/results/fuzz_eager_aot_eager_1000.txt
+
+Each batch is ``python -m tools.fuzz --cases B --start-seed S --inners ...`` in a process of
+its own (``--jobs`` at a time); the file starts with the totals over every batch (the
+counters of each inner's summary line summed, the cases per knob) and then holds each batch's
+summary under its command, the commit and the time it started. Exit status 1 if any batch
+reported a mismatch or a compile failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Sequence, Tuple
+
+_COUNTER = re.compile(r"(\w+)=(\d+)")
+_INNER_LINE = re.compile(r"^\s+(eager|aot_eager|inductor)\s+runs=")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+def run_batch(start: int, cases: int, inners: str) -> Tuple[str, str, float, int]:
+    """(command, stdout, seconds, return code) of one batch."""
+    cmd = [sys.executable, "-m", "tools.fuzz", "--cases", str(cases), "--start-seed", str(start),
+           "--inners", inners]
+    began = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    shown = "python -m tools.fuzz " + " ".join(cmd[3:])
+    return shown, r.stdout + (r.stderr[-2000:] if r.returncode not in (0, 1) else ""), \
+        time.time() - began, r.returncode
+
+
+def totals(outputs: Sequence[str]) -> Tuple[Dict[str, Counter], Counter]:
+    """Counters of each inner's summary lines summed, and the cases per knob."""
+    per_inner: Dict[str, Counter] = {}
+    knobs: Counter = Counter()
+    for out in outputs:
+        for line in out.splitlines():
+            match = _INNER_LINE.match(line)
+            if match:
+                main, _, rest = line.partition("(output groups:")
+                outputs, _, tokens = rest.partition(")")
+                counts = {k: int(v) for k, v in _COUNTER.findall(main)}
+                counts.update({f"out_{k}": int(v) for k, v in _COUNTER.findall(outputs)})
+                counts.update({("token_counts" if k == "run" else k): int(v)
+                               for k, v in _COUNTER.findall(tokens)})
+                per_inner.setdefault(match.group(1), Counter()).update(counts)
+            elif line.strip().startswith("cases per knob:"):
+                for part in line.split(":", 1)[1].split(","):
+                    if ":" in part:
+                        name, n = part.rsplit(":", 1)
+                        knobs[name.strip()] += int(n)
+    return per_inner, knobs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", required=True, help="first-last (last excluded), e.g. 0-300")
+    ap.add_argument("--batch", type=int, default=50)
+    ap.add_argument("--inners", default="eager,aot_eager")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    first, last = (int(x) for x in args.seeds.split("-"))
+    starts = list(range(first, last, args.batch))
+    commit = _commit()
+    stamps = {s: datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") for s in starts}
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(lambda s: run_batch(s, min(args.batch, last - s), args.inners), starts))
+    per_inner, knobs = totals([out for _, out, _, _ in results])
+    seconds = sum(t for _, _, t, _ in results)
+    lines: List[str] = [f"# {len(results)} runs, {last - first} cases in all, {seconds:.0f} s of run time "
+                        f"({args.jobs} runs at a time); `python -m tools.fuzz_runs {' '.join(argv or sys.argv[1:])}`; "
+                        f"the per-run summaries below, each headed by its command and commit", ""]
+    for inner, counts in per_inner.items():
+        lines.append(f"TOTAL {inner}: " + " ".join(f"{k}={v}" for k, v in counts.items()))
+    lines.append("TOTAL cases per knob: " + ", ".join(f"{k}: {v}" for k, v in knobs.items()))
+    lines.append("")
+    for start, (cmd, out, secs, _) in zip(starts, results):
+        lines += [f"cmd: {cmd} (commit {commit}, {stamps[start]}, {secs:.0f} s)", out.rstrip(), ""]
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    bad = sum(c.get("mismatches", 0) + c.get("compile_failures", 0) for c in per_inner.values())
+    print("\n".join(lines[2:len(per_inner) + 3]))
+    return 1 if bad or any(rc not in (0, 1) for *_, rc in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
