@@ -34,6 +34,8 @@ _LAZY = {
     "InductorPassSet": "compile_pass.inductor_pass",
     "inductor_pass_set": "compile_pass.inductor_pass",
     "keep_outputs_distinct": "compile_pass.distinct_outputs",
+    "DraftProjection": "compile_pass.projection",
+    "ProjectingAccumulator": "compile_pass.projection",
     "PassResult": "compile_pass.result",
     "rewrite_graph": "compile_pass.capture_pass",
     "run_capture_pass": "compile_pass.capture_pass",

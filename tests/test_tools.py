@@ -1,0 +1,79 @@
+"""The repository's tools (``tools/``): the requirements reader behind ``make vllm``'s
+``--no-deps`` install, the seam table of ``make engines-latest``, the fuzz batches' totals."""
+
+import importlib.metadata
+import zipfile
+
+import pytest
+
+from compile_pass.integrations.seams import Patch, Probe, Seam, SeamAbsent, SeamMoved, probe, report
+from tools import engine_seams, fuzz_runs, requirements_of
+
+
+def test_canonical_names():
+    assert requirements_of.canonical_name("Flashinfer_Python==0.7.3") == "flashinfer-python"
+    assert requirements_of.canonical_name("torch>=2.11; python_version > '3.9'") == "torch"
+    with pytest.raises(ValueError, match="not a requirement"):
+        requirements_of.canonical_name("==1.0")
+
+
+def _wheel(tmp_path, requires):
+    path = tmp_path / "eng-1.0-py3-none-any.whl"
+    metadata = "Metadata-Version: 2.1\nName: eng\nVersion: 1.0\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("eng-1.0.dist-info/METADATA", metadata)
+    return str(path)
+
+
+def test_requirements_with_overrides_and_no_extras(tmp_path):
+    wheel = _wheel(tmp_path, ["torch==2.14.0", "flashinfer-python==0.7.3", "protobuf>=5; platform_machine != 's390x'",
+                              "protobuf==7; platform_machine == 's390x'", "pandas; extra == \"bench\""])
+    got = requirements_of.requirements("eng", ["flashinfer_python==0.7.4", "protobuf>=6"], wheel=wheel)
+    assert got == ["torch==2.14.0", "flashinfer_python==0.7.4", "protobuf>=6"]  # one line per overridden name
+    with pytest.raises(SystemExit, match="--override names no requirement of eng: numpy"):
+        requirements_of.requirements("eng", ["numpy==1"], wheel=wheel)
+
+
+def test_requirements_of_an_installed_distribution():
+    assert any(requirements_of.canonical_name(r) == "pluggy" for r in requirements_of.requirements("pytest"))
+    assert importlib.metadata.version("pytest")
+
+
+def test_engine_seams_summary_names_what_moved():
+    def ok():
+        return [Patch(object, "x", 1)]
+
+    def moved():
+        raise SeamMoved("f(a, b) differs")
+
+    def gone():
+        raise SeamAbsent("no module m")
+
+    probes = probe([Seam("a.ok", "c", "r", ok), Seam("b.moved", "c", "r", moved),
+                    Seam("c.gone", "c", "r", gone, optional=True), Seam("d.route", "", "r", lambda: [])])
+    line = engine_seams.summary({"engine": "vllm", "version": "9.9", "tested": False, "probes": probes})
+    assert line == ("vllm 9.9: NOT a tested minor; 4 seams, moved: b.moved: moved (f(a, b) differs); "
+                    "optional, absent here: c.gone")
+    table = report(probes)
+    assert "absent (optional)" in table and "route" in table and table.count("\n") == 4
+    assert [p.fits for p in probes] == [True, False, True, True]
+    with pytest.raises(SystemExit, match="unknown engine 'tgi'"):
+        engine_seams.probe_engine("tgi")
+
+
+def test_a_probe_that_raises_counts_as_moved():
+    def broken():
+        raise KeyError("inspect failed")
+
+    (found,) = probe([Seam("x.y", "c", "r", broken)])
+    assert isinstance(found, Probe) and found.state == "moved" and "KeyError" in found.detail
+
+
+def test_fuzz_batch_totals():
+    out = ("  inductor   runs=50 mismatches=0 compile_failures=0 rewritten=42 rejected=11 pass_errors=0 "
+           "anomalies=0 (output groups: rewritten=3 rejected=6) token counts run=72 recompiles=0\n"
+           "  cases per knob: return_list: 12, split: 17\n")
+    per_inner, knobs = fuzz_runs.totals([out, out])
+    assert per_inner["inductor"]["rewritten"] == 84 and per_inner["inductor"]["out_rewritten"] == 6
+    assert per_inner["inductor"]["token_counts"] == 144 and per_inner["inductor"]["runs"] == 100
+    assert knobs == {"return_list": 24, "split": 34}
