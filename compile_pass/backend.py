@@ -72,7 +72,8 @@ REMOVED_INNERS = {
     ),
 }
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "lite")
-_BACKEND_KEYS = ("inner", "rewrite", "cost_model", "pack_outputs", "split_ops", "keep_code_before")
+_BACKEND_KEYS = ("inner", "rewrite", "cost_model", "pack_outputs", "split_ops", "keep_code_before",
+                 "fuse_projection")
 
 CompiledFn = Callable[..., Any]
 Inner = Union[str, Callable[[fx.GraphModule, List[torch.Tensor]], CompiledFn]]
@@ -104,6 +105,9 @@ class AuxCaptureBackend:
     #: costs more than the pass (docs/scale.md section 4). The diff tool and ``TORCH_TRACE``
     #: keep it whatever this says.
     keep_code_before: bool = False
+    #: opt-in: a concat the draft's fc alone reads becomes one [*, H_draft] accumulator each
+    #: capture is projected into (``fuse_projection.py``; changes the draft input's rounding)
+    fuse_projection: bool = False
     results: List[PassResult] = field(default_factory=list)
     #: one entry per split graph compiled: (compute pieces, split-op calls)
     splits: List[SplitGraph] = field(default_factory=list)
@@ -124,7 +128,7 @@ class AuxCaptureBackend:
         if not isinstance(self.inner, str) and not callable(self.inner):
             raise TypeError(f"inner must be a name or a callable, got {type(self.inner).__name__}")
         self.split_ops = check_split_ops(self.split_ops)
-        for name in ("rewrite", "cost_model", "pack_outputs", "keep_code_before"):
+        for name in ("rewrite", "cost_model", "pack_outputs", "keep_code_before", "fuse_projection"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"option {name!r} must be a bool, got {getattr(self, name)!r}")
         if self.mode not in MODES:
@@ -175,7 +179,7 @@ class AuxCaptureBackend:
             return None
         result = run_capture_pass(gm, target, estimate=self._estimate, cost_model=self.cost_model,
                                   concat=concat, pack_outputs=pack_outputs,
-                                  keep_code_before=self._keep_code)
+                                  keep_code_before=self._keep_code, fuse_projection=self.fuse_projection)
         self.results.append(result)
         self._on_result(result, gm.graph)
         return result
@@ -186,7 +190,7 @@ class AuxCaptureBackend:
 
         return AuxCapturePass(cost_model=self.cost_model, results=self.results,
                               estimate=self._estimate, on_result=self._on_result,
-                              keep_code_before=self._keep_code)
+                              keep_code_before=self._keep_code, fuse_projection=self.fuse_projection)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[torch.Tensor]) -> CompiledFn:
         from compile_pass.compat import warn_once_if_unsupported
@@ -256,7 +260,7 @@ class AuxCaptureBackend:
         work = copy_module(gm)
         result = run_capture_pass(work, "dynamo_lifted", estimate=self._estimate,
                                   cost_model=self.cost_model, pack_outputs=self.pack_outputs,
-                                  keep_code_before=self._keep_code)
+                                  keep_code_before=self._keep_code, fuse_projection=self.fuse_projection)
         # no ``original=gm.graph``: Dynamo owns its graph and may empty it once the backend
         # returns (a restarted analysis did), so the code before, if kept, is from the copy
         self.results.append(result)
@@ -392,7 +396,7 @@ def _inputs_as_given(args: List[Any]) -> List[Any]:
 def aux_capture_backend(inner: Inner = "inductor", *, rewrite: bool = True, cost_model: bool = True,
                         mode: Optional[str] = None, pack_outputs: bool = False,
                         split_ops: Sequence[str] = (), keep_code_before: bool = False,
-                        **inductor_options: Any) -> AuxCaptureBackend:
+                        fuse_projection: bool = False, **inductor_options: Any) -> AuxCaptureBackend:
     """The backend as a callable: ``torch.compile(m, backend=aux_capture_backend(inner="eager"))``.
 
     ``rewrite=False``: the same compile with the pass off. ``cost_model=False``: rewrite
@@ -401,11 +405,13 @@ def aux_capture_backend(inner: Inner = "inductor", *, rewrite: bool = True, cost
     buffer (``pack_aux_hidden_states`` then takes it without a copy).
     ``split_ops=["ns::op", ...]``: piecewise graphs split at those ops.
     ``keep_code_before=True``: each result keeps the graph's code before the rewrite.
+    ``fuse_projection=True`` (opt-in, changes rounding): a concat the draft's ``fc`` alone
+    reads is projected per capture into one ``[*, H_draft]`` accumulator.
     Other keywords are Inductor config options (inductor inner only).
     """
     return AuxCaptureBackend(inner=inner, rewrite=rewrite, cost_model=cost_model, mode=mode,
                              pack_outputs=pack_outputs, split_ops=split_ops,
-                             keep_code_before=keep_code_before,
+                             keep_code_before=keep_code_before, fuse_projection=fuse_projection,
                              inductor_options=dict(inductor_options))
 
 
@@ -421,9 +427,11 @@ def backend_from_options(mode: Optional[str] = None,
     pack_outputs = options.pop("pack_outputs", False)
     split_ops = options.pop("split_ops", ())
     keep_code_before = options.pop("keep_code_before", False)
+    fuse_projection = options.pop("fuse_projection", False)
     return aux_capture_backend(inner, rewrite=rewrite, cost_model=cost_model, mode=mode,
                                pack_outputs=pack_outputs, split_ops=split_ops,
-                               keep_code_before=keep_code_before, **options)
+                               keep_code_before=keep_code_before, fuse_projection=fuse_projection,
+                               **options)
 
 
 def aux_capture(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,

@@ -29,6 +29,7 @@ from compile_pass.cost import (changed_span, graph_liveness, inductor_computes_i
                                lifted_peak, planned_peak, without_fusion_into)
 from compile_pass.dataflow import NodeTable, copy_graph, gc_paused, nbytes, tensor_value
 from compile_pass.find import LAYER_DEPTH, find_capture_groups, find_output_groups
+from compile_pass.fuse_projection import FcReader, fc_reading, fuse_into_accumulator
 from compile_pass.groups import CaptureGroup, Decision, GroupKind, Rejection, summarize
 from compile_pass.lift import LiftedBuffers, LiftError, lift_packed_buffers
 from compile_pass.liveness import LivenessModel
@@ -208,9 +209,67 @@ class _GraphState:
                                    table=self.table, twins=self.twins, groups=self.groups)
 
 
-def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
+def _fc_of(group: CaptureGroup) -> Optional[FcReader]:
+    """The draft's fc reading ``group``'s concat, if ``fuse_projection`` can fuse it; else
+    None with ``group.projection`` saying why not."""
+    if group.kind is not GroupKind.CONCAT:
+        group.projection = "returned captures: the caller projects them (ProjectingAccumulator)"
+        return None
+    if group.dim not in (-1, len(group.example_shape) - 1):
+        group.projection = "the concat is not along the last dim"
+        return None
+    fc, why = fc_reading(group.cat, sum(group.widths))
+    group.projection = why
+    return fc
+
+
+def _fused_trial_peak(state: "_GraphState", group: CaptureGroup) -> Optional[int]:
+    """The estimated peak of a copy of the graph with ``group`` rewritten and fused into the
+    draft's accumulator; None (``group.projection`` says why) if that cannot be expressed."""
+    trial, node_map = copy_graph(state.gm.graph)
+    copy = group.replace_nodes(node_map)
+    fc, _ = fc_reading(copy.cat, sum(group.widths))
+    try:
+        buffer = rewrite_group(trial, copy)
+        fuse_into_accumulator(trial, buffer, fc)
+        trial.lint()
+    except (RewriteError, ValueError) as e:
+        group.projection = f"not fused: {e}"
+        return None
+    return state.target.liveness(trial).peak()
+
+
+def _decide_fused(state: "_GraphState", group: CaptureGroup, cost_model: bool) -> Optional[bool]:
+    """``fuse_projection``: plan ``group`` for projection (copies, no slot views) and price
+    the fused rewrite against the list path; None where it cannot be fused (the caller then
+    decides it as a packed group)."""
+    plan_group(group, state.facts, False, hoist=state.target.hoist, into_op=state.target.lift,
+               twinned=state.twinned)
+    if group.decision is Decision.REJECT:
+        return False
+    after = _fused_trial_peak(state, group)
+    if after is None:
+        group.decision, group.rejection = Decision.FOUND, None
+        return None
+    before = state.peak
+    group.estimated_peak_before, group.estimated_peak_after = before, after
+    if after >= before and cost_model:
+        group.reject(Rejection.NO_SAVING, f"estimated peak with the draft's projection fused would not "
+                                          f"drop ({_mib(before)} -> {_mib(after)})")
+        return False
+    group.decision, group.fused = Decision.REWRITE, True
+    group.reason = (f"projected into the draft's accumulator: estimated peak {_mib(before)} -> "
+                    f"{_mib(after)} ({(after - before) / before:+.0%})")
+    if after >= before:
+        group.reason += "; rewritten because the cost model is off"
+    return True
+
+
+def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool, fuse_projection: bool = False) -> bool:
     """Plan, trial-rewrite (on a copy) and price one group; accept it if the trial succeeds
-    and the estimated peak drops (with ``cost_model=False``: whenever the trial succeeds)."""
+    and the estimated peak drops (with ``cost_model=False``: whenever the trial succeeds).
+    ``fuse_projection``: a group the draft's fc alone reads is priced, and rewritten, with
+    its captures projected into the draft's accumulator (``fuse_projection.py``)."""
     target, placement = state.target, state.target.placement
     packed = group.packed_value
     if packed is not None and packed.requires_grad and not target.autograd_free:
@@ -223,6 +282,10 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool) -> bool:
     if refusal is not None:
         group.reject(*refusal)
         return False
+    if fuse_projection and _fc_of(group) is not None:
+        fused = _decide_fused(state, group, cost_model)
+        if fused is not None:
+            return fused
     plan_group(group, state.facts, target.runs_as_is, hoist=target.hoist, into_op=target.lift,
                twinned=state.twinned)
     if group.decision is Decision.REJECT:
@@ -360,7 +423,7 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
                      estimate: bool = False, cost_model: bool = True,
                      pack_outputs: bool = False, concat: bool = True,
                      original: Optional[fx.Graph] = None,
-                     keep_code_before: bool = True) -> PassResult:
+                     keep_code_before: bool = True, fuse_projection: bool = False) -> PassResult:
     """Rewrite every accepted capture group of ``gm`` (in place); never raises.
 
     ``estimate=True`` also records whole-graph memory timelines before and after, for the
@@ -374,16 +437,18 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
     generated from it only if asked for. ``keep_code_before=False``: the code before a
     change is not generated (it costs about as much as the pass on a large graph); read
     from a graph the pass leaves unchanged, it still is. ``estimate=True`` keeps it.
+    ``fuse_projection=True``: a concat the draft's ``fc`` alone reads is projected per
+    capture into one ``[*, H_draft]`` accumulator (``fuse_projection.py``; changes rounding).
     """
     with gc_paused():
         return _run_capture_pass(gm, TARGETS[target] if isinstance(target, str) else target,
                                  estimate, cost_model, pack_outputs, concat, original,
-                                 keep_code_before or estimate)
+                                 keep_code_before or estimate, fuse_projection)
 
 
 def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_model: bool,
                       pack_outputs: bool, concat: bool, original: Optional[fx.Graph],
-                      keep_code: bool) -> PassResult:
+                      keep_code: bool, fuse_projection: bool = False) -> PassResult:
     start = time.perf_counter()
     # the graph's own code, not gm.code: earlier passes (Inductor's) may not have recompiled.
     # Read later from a graph nothing edits: a working copy's original, or the graph itself
@@ -411,11 +476,14 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
                 continue
             group.placement = target.name
             state = state or _GraphState(gm, target, table, groups)
-            if not _decide(state, group, cost_model):
+            if not _decide(state, group, cost_model, fuse_projection):
                 continue
             # the trial on a copy (or the check) succeeded: the rewrite on the graph itself
             result.keep_code_before(gm.graph)  # the text before the graph's first change
-            rewrite_group(gm.graph, group)
+            fc = fc_reading(group.cat, sum(group.widths))[0] if group.fused else None
+            buffer = rewrite_group(gm.graph, group)
+            if fc is not None:
+                fuse_into_accumulator(gm.graph, buffer, fc)
             state, graph_changed = None, True
             # The rewrite erased or replaced nodes the remaining groups may refer to (the
             # concat and its readers, an elided clone, a hoisted producer, a capture two

@@ -187,6 +187,11 @@ class CaptureGroup:
     #: deepest minus shallowest capture, in matmuls / opaque ops (``find``): how far apart
     #: in the model the captures are taken (0: one block; ``find.LAYER_DEPTH``: a layer)
     depth_span: int = 0
+    #: ``fuse_projection``: whether the rewrite projects the captures into the draft's
+    #: accumulator (``fuse_projection.py``) instead of packing them; ``projection`` says why
+    #: not where it was asked for and does not
+    fused: bool = False
+    projection: str = ""
 
     @property
     def key(self) -> str:
@@ -223,6 +228,8 @@ class CaptureGroup:
             "estimated_peak_after": self.estimated_peak_after,
             "placement": self.placement,
             "depth_span": self.depth_span,
+            "fused_projection": self.fused,
+            "projection": self.projection,
             "captures": [c.to_dict() for c in self.captures],
         }
 

@@ -112,10 +112,13 @@ class AuxCapturePass(CustomGraphPass):
     def __init__(self, cost_model: bool = True, results: Optional[List[PassResult]] = None,
                  estimate: bool = False,
                  on_result: Optional[Callable[[PassResult, fx.Graph], None]] = None,
-                 keep_code_before: bool = True) -> None:
+                 keep_code_before: bool = True, fuse_projection: bool = False) -> None:
         if not isinstance(cost_model, bool):
             raise TypeError(f"cost_model must be a bool, got {cost_model!r}")
+        if not isinstance(fuse_projection, bool):
+            raise TypeError(f"fuse_projection must be a bool, got {fuse_projection!r}")
         self.cost_model = cost_model
+        self.fuse_projection = fuse_projection
         #: one PassResult per graph the pass ran on (shared with the backend that made it)
         self.results: List[PassResult] = results if results is not None else []
         self.estimate = estimate  # record memory timelines (does not change the rewrite)
@@ -128,16 +131,18 @@ class AuxCapturePass(CustomGraphPass):
         if gm is None:  # a bare graph: give the pass a module to recompile
             gm = fx.GraphModule({}, graph)
         result = run_capture_pass(gm, "post_grad", estimate=self.estimate, cost_model=self.cost_model,
-                                  keep_code_before=self.keep_code_before)
+                                  keep_code_before=self.keep_code_before,
+                                  fuse_projection=self.fuse_projection)
         self.results.append(result)
         if self.on_result is not None:
             self.on_result(result, gm.graph)
 
     def uuid(self) -> str:
-        return source_hash(f"cost_model={self.cost_model}")
+        return source_hash(f"cost_model={self.cost_model}" + (",fuse_projection" if self.fuse_projection else ""))
 
     def __repr__(self) -> str:
-        return f"AuxCapturePass(cost_model={self.cost_model})"
+        return f"AuxCapturePass(cost_model={self.cost_model}" + \
+            (", fuse_projection=True)" if self.fuse_projection else ")")
 
 
 class CaptureTwinsPass(CustomGraphPass):

@@ -1,4 +1,5 @@
-"""The custom ops the rewrite emits: in-place writes of captures into their slices.
+"""The custom ops the rewrite emits: in-place writes of captures into their slices (and,
+with ``fuse_projection``, into the draft's projected accumulator).
 
 ``compile_pass::write_slice_(buf, src, dim, start)`` copies ``src`` into
 ``buf.narrow(dim, start, src.size(dim))`` and declares that it mutates ``buf``. Declared
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["write_slice_", "binary_into_slice_", "BINARY_OPS"]
+__all__ = ["write_slice_", "binary_into_slice_", "project_into_", "project_binary_into_", "bias_into_",
+           "BINARY_OPS", "MUTATED_ARG"]
 
 #: the correctly rounded binary ops ``binary_into_slice_`` computes (aten op names)
 BINARY_OPS = ("add", "sub", "mul", "div")
@@ -57,3 +59,60 @@ def binary_into_slice_(buf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: 
 def _binary_into_slice_fake(buf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str, dim: int,
                             start: int) -> None:
     return None
+
+
+# ----------------------------------------------------------- the draft's projection, per capture
+@torch.library.custom_op("compile_pass::project_into_", mutates_args=("acc",), tags=_TAGS)
+def project_into_(acc: torch.Tensor, src: torch.Tensor, weight: torch.Tensor, start: int,
+                  first: bool) -> None:
+    """``acc (+)= src @ weight[:, start:start+h].T``, in place (``h``: ``src``'s last dim;
+    ``first``: the accumulator's first term, written rather than added, so ``acc`` may come
+    uninitialized). ``fuse_projection.py`` emits one per capture of a group the draft's
+    ``fc`` reads."""
+    h = src.shape[-1]
+    rows, out = src.reshape(-1, h), acc.view(-1, acc.shape[-1])
+    block = weight.narrow(1, start, h).t()
+    if first:
+        torch.mm(rows, block, out=out)
+    else:
+        out.addmm_(rows, block)
+
+
+@project_into_.register_fake
+def _project_into_fake(acc: torch.Tensor, src: torch.Tensor, weight: torch.Tensor, start: int,
+                       first: bool) -> None:
+    return None
+
+
+@torch.library.custom_op("compile_pass::project_binary_into_", mutates_args=("acc",), tags=_TAGS)
+def project_binary_into_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str,
+                         weight: torch.Tensor, start: int, first: bool) -> None:
+    """``project_into_`` of ``op(a, b)`` (a capture the rewrite computes at its write, as
+    ``binary_into_slice_`` does for a packed buffer)."""
+    if op not in BINARY_OPS:
+        raise ValueError(f"project_binary_into_: op must be one of {BINARY_OPS}, got {op!r}")
+    project_into_(acc, getattr(torch, op)(a, b), weight, start, first)
+
+
+@project_binary_into_.register_fake
+def _project_binary_into_fake(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str,
+                              weight: torch.Tensor, start: int, first: bool) -> None:
+    return None
+
+
+@torch.library.custom_op("compile_pass::bias_into_", mutates_args=("acc",), tags=_TAGS)
+def bias_into_(acc: torch.Tensor, bias: torch.Tensor) -> None:
+    """``acc += bias``, in place: the fc's bias, once, after every capture's term."""
+    acc.add_(bias)
+
+
+@bias_into_.register_fake
+def _bias_into_fake(acc: torch.Tensor, bias: torch.Tensor) -> None:
+    return None
+
+
+#: each op the rewrite emits -> the argument it mutates (``reinplace.py`` undoes their
+#: functionalization where that is exact)
+MUTATED_ARG = {write_slice_._opoverload: "buf", binary_into_slice_._opoverload: "buf",
+               project_into_._opoverload: "acc", project_binary_into_._opoverload: "acc",
+               bias_into_._opoverload: "acc"}

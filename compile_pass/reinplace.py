@@ -1,4 +1,6 @@
-"""Turn functionalized ``write_slice_`` calls back into in-place writes (graphs run as is).
+"""Turn functionalized writes back into in-place ones (graphs run as is).
+
+The writes are ``write_slice_`` and this project's other writing ops (``ops.MUTATED_ARG``).
 
 AOTAutograd functionalizes every call to the mutating op ``compile_pass::write_slice_``
 into ``auto_functionalized_v2(write_slice_, ..., _all_bases=[buf])``, whose eager
@@ -33,31 +35,33 @@ from typing import Dict, List, Optional
 import torch
 import torch.fx as fx
 
-import compile_pass.ops  # noqa: F401  (registers compile_pass::write_slice_)
+from compile_pass.ops import MUTATED_ARG
 
 __all__ = ["reinplace_slice_writes", "write_from_twins"]
 
 log = logging.getLogger("compile_pass")
 
-_WRITE = torch.ops.compile_pass.write_slice_.default
 _COPY = torch.ops.aten.copy_.default
 
 
 def _functional_write_base(node: fx.Node) -> Optional[fx.Node]:
-    """The buffer a functionalized ``write_slice_`` call consumes, if it is one we can undo."""
-    if node.op != "call_function" or not node.args or node.args[0] is not _WRITE:
+    """The buffer a functionalized call of one of this project's writing ops
+    (``ops.MUTATED_ARG``: ``write_slice_``, ``binary_into_slice_``, the projection ops)
+    consumes, if it is one we can undo."""
+    if node.op != "call_function" or not node.args or node.args[0] not in MUTATED_ARG:
         return None
+    arg = MUTATED_ARG[node.args[0]]
     hop = getattr(torch.ops.higher_order, "auto_functionalized_v2", None)
     if hop is not None and node.target is hop:
         bases = node.kwargs.get("_all_bases")
-        view_args = {"_buf_size", "_buf_stride", "_buf_storage_offset", "_buf_slice_dim"}
+        view_args = {f"_{arg}_size", f"_{arg}_stride", f"_{arg}_storage_offset", f"_{arg}_slice_dim"}
         if (not isinstance(bases, (list, tuple)) or len(bases) != 1
-                or node.kwargs.get("_buf_base_index") != 0 or view_args & set(node.kwargs)):
+                or node.kwargs.get(f"_{arg}_base_index") != 0 or view_args & set(node.kwargs)):
             return None
         return bases[0]
     v1 = getattr(torch.ops.higher_order, "auto_functionalized", None)
     if v1 is not None and node.target is v1:
-        return node.kwargs.get("buf")
+        return node.kwargs.get(arg)
     return None
 
 
@@ -77,10 +81,11 @@ def reinplace_slice_writes(graph: fx.Graph) -> int:
         results = [u for u in node.users if u.target is operator.getitem]
         if len(results) != len(node.users):
             continue
-        kwargs = {k: v for k, v in node.kwargs.items() if not k.startswith("_") and k != "buf"}
+        op = node.args[0]
+        kwargs = {k: v for k, v in node.kwargs.items() if not k.startswith("_") and k != MUTATED_ARG[op]}
         meta = {k: v for k, v in node.meta.items() if k != "val"}
         with graph.inserting_before(node):
-            write = graph.call_function(_WRITE, (base,), kwargs)
+            write = graph.call_function(op, (base,), kwargs)
             write.meta = meta
             write.meta["val"] = None
         for result in results:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -368,9 +368,14 @@ class EngineDecoder(nn.Module):
         return len(self.capture_layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                aux_out: Optional[torch.Tensor] = None):
+                aux_out: Optional[torch.Tensor] = None, aux: Any = None):
+        """``aux``: a collector to capture into instead of the capture mode's (anything with
+        ``append`` / ``capture`` / ``finalize``, e.g. a ``ProjectingAccumulator``); the
+        forward then returns its ``finalize()``."""
         cfg = self.config
-        aux = make_aux(self.capture_mode, self.num_captures, out=aux_out)
+        collector_given = aux is not None
+        if not collector_given:
+            aux = make_aux(self.capture_mode, self.num_captures, out=aux_out)
         # vocab-parallel embedding: this rank's rows, then the all-reduce
         hidden = F.embedding(input_ids % self.embed.shape[0], self.embed)
         hidden = _all_reduce(cfg, hidden, cfg.attention_tp)
@@ -383,6 +388,8 @@ class EngineDecoder(nn.Module):
                     aux.append(hidden + residual)
             hidden, residual = layer(positions, hidden, residual, self.cos_sin)
         ops.fused_add_rms_norm_(hidden, residual, self.final_norm, cfg.rms_eps)
+        if collector_given:
+            return hidden, aux.finalize()
         return hidden, finish_aux(self.capture_mode, aux)  # the logits processor's concat
 
     def compute_logits(self, hidden: torch.Tensor, last_token_index: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,105 @@
+"""A served rank whose captures feed the draft's input projection, as the engines use them.
+
+The packed ``[T, K*H]`` captures exist only to be projected by the draft (vLLM's Eagle3
+``combine_hidden_states``: optional ``norm_before_fc`` over the concat, optional per-chunk
+``fc_norm``, then ``fc``; DFlash: ``fc`` then ``hidden_norm``). ``TargetWithDraftInput`` runs
+a ``models.engine`` rank and that combine at the end of its forward, and returns ``(hidden,
+draft_input [T, H_draft])``:
+
+- ``capture="none"``: the rank without captures and without the combine (the baseline);
+- ``"list"``: the list path, the concat, then the combine (what the engines do today);
+- ``"packer"``: ``AuxHiddenStatePacker``, then the combine;
+- ``"projected"``: ``compile_pass.ProjectingAccumulator``, each capture projected as it is
+  made (its result is the draft input; nothing of ``[T, K*H]`` exists).
+
+``combine``: ``"plain"`` (fc with bias), ``"norm_before_fc"``, ``"fc_norms"``, ``"dflash"``.
+The draft's weights are seeded apart from the target's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import torch
+from torch import nn
+
+import torch.nn.functional as F
+
+from compile_pass.projection import DraftProjection, ProjectingAccumulator, rms_norm
+from models.engine import EngineConfig, EngineDecoder
+
+__all__ = ["COMBINES", "CAPTURES", "DraftCombine", "TargetWithDraftInput"]
+
+COMBINES = ("plain", "norm_before_fc", "fc_norms", "dflash")
+CAPTURES = ("none", "list", "packer", "projected")
+
+
+class DraftCombine(nn.Module):
+    """The draft's input projection over ``K`` captures of ``hidden`` features."""
+
+    def __init__(self, kind: str, num_captures: int, hidden: int, draft_hidden: int, eps: float = 1e-5,
+                 dtype: torch.dtype = torch.float32, seed: int = 1) -> None:
+        super().__init__()
+        if kind not in COMBINES:
+            raise ValueError(f"unknown combine {kind!r}: expected one of {', '.join(COMBINES)}")
+        g = torch.Generator().manual_seed(seed)
+        self.kind, self.num_captures, self.eps = kind, num_captures, eps
+        width = num_captures * hidden
+
+        def weight(*shape: int, scale: float = 1.0) -> nn.Parameter:
+            return nn.Parameter((torch.randn(*shape, generator=g) * scale).to(dtype), requires_grad=False)
+
+        self.fc_weight = weight(draft_hidden, width, scale=width ** -0.5)
+        self.fc_bias = weight(draft_hidden, scale=0.1) if kind == "plain" else None
+        self.norm_before_fc = weight(width, scale=0.1) if kind == "norm_before_fc" else None
+        self.fc_norms = nn.ParameterList(weight(hidden, scale=0.1) for _ in range(num_captures)) \
+            if kind == "fc_norms" else None
+        self.norm_after_fc = weight(draft_hidden, scale=0.1) if kind == "dflash" else None
+        with torch.no_grad():
+            for p in (self.norm_before_fc, self.norm_after_fc, *(self.fc_norms or ())):
+                if p is not None:
+                    p.add_(1.0)
+
+    def projection(self) -> DraftProjection:
+        return DraftProjection.build(self.num_captures, self.fc_weight, fc_bias=self.fc_bias,
+                                     norm_before_fc=self.norm_before_fc, fc_norms=self.fc_norms,
+                                     norm_after_fc=self.norm_after_fc, eps=self.eps)
+
+    def accumulator(self) -> ProjectingAccumulator:
+        return ProjectingAccumulator(self.num_captures, self.fc_weight, fc_bias=self.fc_bias,
+                                     norm_before_fc=self.norm_before_fc, fc_norms=self.fc_norms,
+                                     norm_after_fc=self.norm_after_fc, eps=self.eps)
+
+    def forward(self, packed: torch.Tensor) -> torch.Tensor:
+        """The draft's own code path, as the engines write it: the norm(s), then ``fc``."""
+        x = packed
+        if self.norm_before_fc is not None:
+            x = rms_norm(x, self.norm_before_fc, self.eps)
+        elif self.fc_norms is not None:
+            x = torch.cat([rms_norm(c, w, self.eps) for c, w in
+                           zip(x.split(x.shape[-1] // self.num_captures, dim=-1), self.fc_norms)], dim=-1)
+        out = F.linear(x, self.fc_weight, self.fc_bias)
+        if self.norm_after_fc is not None:
+            out = rms_norm(out, self.norm_after_fc, self.eps)
+        return out
+
+
+class TargetWithDraftInput(nn.Module):
+    """``models.engine`` rank ``cfg`` whose captures feed ``DraftCombine(combine)``."""
+
+    def __init__(self, cfg: EngineConfig, combine: str, capture: str, draft_hidden: int,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        if capture not in CAPTURES:
+            raise ValueError(f"unknown capture {capture!r}: expected one of {', '.join(CAPTURES)}")
+        self.capture = capture
+        mode = {"none": "none", "list": "list", "packer": "packer", "projected": "none"}[capture]
+        self.target = EngineDecoder(cfg, mode, dtype=dtype)
+        self.combine = DraftCombine(combine, len(cfg.layers_to_capture), cfg.hidden_size, draft_hidden,
+                                    eps=cfg.rms_eps, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        if self.capture == "projected":
+            return self.target(input_ids, positions, aux=self.combine.accumulator())
+        hidden, packed = self.target(input_ids, positions)
+        return hidden, (self.combine(packed) if packed is not None else None)

@@ -1,0 +1,163 @@
+"""``options={"fuse_projection": True}``: a concat the draft's fc alone reads becomes one
+``[T, H_draft]`` accumulator each capture is projected into (``compile_pass/fuse_projection.py``).
+
+On a small decoder whose forward ends with the draft's input projection (a plain fc with
+bias, or DFlash's fc then a norm): the group is fused under each inner, the graph holds one
+projection op per capture and no concat or fc, the draft's input equals the list path's to
+rounding, the target's own output is bitwise the build without the option, the peak drops,
+one compile serves two token counts; where it cannot fuse (a norm before fc, a concat read
+twice) the group is packed as without the option and ``projection`` says why."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compile_pass import aux_capture_backend, measure_peak
+from compile_pass.projection import rms_norm
+
+H, HD, LAYERS, CAPTURE = 64, 48, 6, (1, 3, 5)
+PROJECT = torch.ops.compile_pass.project_into_.default
+PROJECT_BINARY = torch.ops.compile_pass.project_binary_into_.default
+BIAS = torch.ops.compile_pass.bias_into_.default
+
+
+class TargetAndDraftInput(nn.Module):
+    """Residual decoder capturing ``hidden + residual``; the draft's combine at the end."""
+
+    def __init__(self, combine="plain", extra_reader=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(H, H) for _ in range(LAYERS))
+        self.fc = nn.Linear(len(CAPTURE) * H, HD, bias=combine != "dflash")
+        self.norm = nn.Parameter(1 + 0.1 * torch.randn(len(CAPTURE) * H if combine == "norm_before_fc" else HD))
+        self.combine, self.extra_reader = combine, extra_reader
+
+    def forward(self, x):
+        hidden, residual = x, torch.zeros_like(x)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in CAPTURE:
+                aux.append(hidden + residual)
+            residual = hidden + residual
+            hidden = torch.tanh(layer(residual))
+        packed = torch.cat(aux, dim=-1)
+        if self.combine == "norm_before_fc":
+            packed = rms_norm(packed, self.norm, 1e-6)
+        draft_input = self.fc(packed)
+        if self.combine == "dflash":
+            draft_input = rms_norm(draft_input, self.norm, 1e-6)
+        if self.extra_reader:
+            return hidden, draft_input, packed.sum()
+        return hidden, draft_input
+
+
+def _compile(model, inner, fuse, **kw):
+    torch._dynamo.reset()
+    backend = aux_capture_backend(inner, fuse_projection=fuse)
+    return torch.compile(model, backend=backend, **kw), backend
+
+
+def _groups(backend):
+    return [g for r in backend.results for g in r.groups]
+
+
+def _run(model, inner, fuse, x):
+    compiled, backend = _compile(model, inner, fuse)
+    with torch.no_grad():
+        compiled(x)
+        peak = measure_peak(compiled, x)
+    return peak, backend
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+@pytest.mark.parametrize("combine", ["plain", "dflash"])
+def test_fused_projection_under_each_inner(inner, combine):
+    model = TargetAndDraftInput(combine).eval()
+    x = torch.randn(2048, H)
+    with torch.no_grad():
+        ref_hidden, ref_draft = model(x)
+    peaks = {}
+    for fuse in (False, True):
+        peak, backend = _run(model, inner, fuse, x)
+        hidden, draft = peak.result
+        assert torch.equal(hidden, ref_hidden)  # the target's own output: bitwise
+        (group,) = [g for g in _groups(backend) if g.k == len(CAPTURE)]
+        assert group.fused is fuse
+        torch.testing.assert_close(draft, ref_draft, rtol=1e-5, atol=1e-5)
+        if not fuse:
+            assert torch.equal(draft, ref_draft)
+        peaks[fuse] = peak.bytes
+    assert peaks[True] < peaks[False], peaks
+    assert "projected into the draft's accumulator" in group.reason
+
+
+def test_the_fused_graph_holds_one_projection_per_capture_and_no_fc():
+    graphs = []
+
+    def inner(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = TargetAndDraftInput("plain").eval()
+    backend = aux_capture_backend(inner, fuse_projection=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(64, H))
+    (gm,) = graphs
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    projections = [n for n in gm.graph.nodes if n.target in (PROJECT, PROJECT_BINARY)]
+    assert len(projections) == len(CAPTURE) and targets.count(BIAS) == 1
+    assert [n.args[-1] for n in projections] == [True, False, False]  # the first term written
+    assert torch.cat not in targets and targets.count(torch._C._nn.linear) == LAYERS  # the fc is gone
+    assert [n.args[-2] for n in projections] == [0, H, 2 * H]  # each capture's column block
+
+
+def test_off_by_default_and_said_why_where_it_cannot_fuse():
+    x = torch.randn(64, H)
+    for model, why in ((TargetAndDraftInput("plain"), None),
+                       (TargetAndDraftInput("norm_before_fc"), "a norm between the concat and fc is not fused"),
+                       (TargetAndDraftInput("plain", extra_reader=True), "readers, not one fc")):
+        for fuse in (False, True):
+            compiled, backend = _compile(model.eval(), "eager", fuse, fullgraph=True)
+            with torch.no_grad():
+                compiled(x)
+            (group,) = [g for g in _groups(backend) if g.k == len(CAPTURE)]
+            if why is None and fuse:
+                assert group.fused
+                continue
+            assert not group.fused
+            if fuse:
+                assert why in group.projection, group.projection
+            else:
+                assert group.projection == ""
+
+
+def test_one_compile_serves_two_token_counts():
+    model = TargetAndDraftInput("plain").eval()
+    compiled, backend = _compile(model, "aot_eager", True, dynamic=True)
+    with torch.no_grad():
+        for tokens in (40, 300):
+            x = torch.randn(tokens, H)
+            hidden, draft = compiled(x)
+            ref_hidden, ref_draft = model(x)
+            assert torch.equal(hidden, ref_hidden)
+            torch.testing.assert_close(draft, ref_draft, rtol=1e-5, atol=1e-5)
+    assert sum(g.fused for g in _groups(backend)) == 1 and len(backend.results) == 1
+
+
+@pytest.mark.inductor
+def test_fused_projection_under_inductor():
+    model = TargetAndDraftInput("plain").eval()
+    x = torch.randn(2048, H)
+    with torch.no_grad():
+        ref_hidden, ref_draft = model(x)
+    peaks = {}
+    for fuse in (False, True):
+        peak, backend = _run(model, "inductor", fuse, x)
+        hidden, draft = peak.result
+        torch.testing.assert_close(draft, ref_draft, rtol=1e-5, atol=1e-5)
+        assert any(g.fused for g in _groups(backend)) is fuse
+        peaks[fuse] = (peak.bytes, hidden)
+    assert torch.equal(peaks[True][1], peaks[False][1])  # the target's output: as without the option
+    assert peaks[True][0] < peaks[False][0], peaks
