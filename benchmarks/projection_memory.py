@@ -10,9 +10,10 @@ over the depth (``models.engine.with_captures``), the draft's input projection a
 the forward (``models/draft_input.py``: ``plain`` fc with bias, ``norm_before_fc``,
 ``fc_norms``, DFlash ``fc`` + norm; H_draft = ``--draft-ratio`` x hidden). Rows per combine, K
 and dtype: the captures collected by the list path (+ cat + combine), the packer (+ combine),
-and projected per capture (``ProjectingAccumulator``), each run uncompiled (``module``) or
-compiled by ``aux_capture`` with an inner (the list path with the pass; the projected
-collector compiled as written). overhead = (peak - peak of the same execution without
+and projected per capture (``ProjectingAccumulator``), each run uncompiled (``module``); or
+compiled by ``aux_capture`` with an inner: the list path with the pass off (``list``), on
+(``pass``), on with ``fuse_projection`` (``fused``), and the projected collector compiled
+(``projected``). overhead = (peak - peak of the same execution without
 captures or combine) / packed bytes ``T*K*H``: 1.00 means the packed buffer's bytes, the
 packer's cost. "rel err": max |draft input - the list path's| / max |the list path's|.
 """
@@ -41,10 +42,17 @@ def config(k: int, layers: int, scale: int) -> engine.EngineConfig:
     return engine.with_captures(engine.scaled(engine.llama_3_1_70b(tp=8, num_layers=layers), scale), k)
 
 
-def run_row(cfg, combine, capture, dtype, draft_hidden, inner, inputs, state):
+#: per execution: (row name, capture, backend options): module rows run uncompiled
+MODULE_VARIANTS = (("list", "list", None), ("packer", "packer", None), ("projected", "projected", None))
+COMPILED_VARIANTS = (("list", "list", {"rewrite": False}), ("pass", "list", {}),
+                     ("fused", "list", {"fuse_projection": True}), ("projected", "projected", {}))
+
+
+def run_row(cfg, combine, capture, dtype, draft_hidden, inner, inputs, state, options=None):
     model = TargetWithDraftInput(cfg, combine, capture, draft_hidden, dtype=dtype).eval()
     model.load_state_dict(state)
-    fn = model if inner == "module" else torch.compile(model, backend=aux_capture_backend(inner), dynamic=False)
+    fn = model if inner == "module" else torch.compile(
+        model, backend=aux_capture_backend(inner, **(options or {})), dynamic=False)
     with torch.no_grad():
         fn(*inputs)  # compile / warm up
         peak = measure_peak(fn, *inputs)
@@ -105,16 +113,20 @@ def main() -> None:
                 torch.manual_seed(0)
                 state = TargetWithDraftInput(cfg, combine, "list", draft_hidden, dtype=dtype).state_dict()
                 for inner in args.inners.split(","):
-                    peaks = {c: run_row(cfg, combine, c, dtype, draft_hidden, inner, inputs, state)
-                             for c in ("none", "list", "packer", "projected")}
+                    variants = MODULE_VARIANTS if inner == "module" else COMPILED_VARIANTS
+                    peaks = {"none": run_row(cfg, combine, "none", dtype, draft_hidden, inner, inputs, state)}
+                    for name, capture, options in variants:
+                        peaks[name] = run_row(cfg, combine, capture, dtype, draft_hidden, inner, inputs, state,
+                                              options)
                     ref = peaks["list"].result[1].float()
                     row = {"combine": combine, "K": k, "hidden": cfg.hidden_size, "draft_hidden": draft_hidden,
                            "dtype": dtype_name, "tokens": args.tokens, "execution": inner,
                            "packed_mib": round(packed / 2**20, 2), "gemm_time_ratio": round(ratio, 2)}
-                    for c in ("list", "packer", "projected"):
-                        row[f"overhead_{c}"] = round((peaks[c].bytes - peaks["none"].bytes) / packed, 3)
-                        row[f"rel_err_{c}"] = float((peaks[c].result[1].float() - ref).abs().max() / ref.abs().max())
-                        row[f"model_equal_{c}"] = bool(torch.equal(peaks[c].result[0], peaks["none"].result[0]))
+                    for name, _, _ in variants:
+                        row[f"overhead_{name}"] = round((peaks[name].bytes - peaks["none"].bytes) / packed, 3)
+                        row[f"rel_err_{name}"] = float((peaks[name].result[1].float() - ref).abs().max()
+                                                       / ref.abs().max())
+                        row[f"model_equal_{name}"] = bool(torch.equal(peaks[name].result[0], peaks["none"].result[0]))
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     if args.out:

@@ -130,8 +130,9 @@ def _kind_of_target(op: str, target: object) -> Tuple[Producer, bool]:
         return Producer.BATCHED_MATMUL, False
     if isinstance(target, torch._ops.OpOverload):
         overload = target
-    else:  # torch IR: the tensor overload the call dispatches to
-        overload = getattr(packet, "Tensor", None) or getattr(packet, "default", None)
+    else:  # torch IR: the tensor overload the call dispatches to (pow's is Tensor_Scalar)
+        overload = getattr(packet, "Tensor", None) or getattr(packet, "default", None) or next(
+            (getattr(packet, o) for o in packet.overloads() if o.startswith("Tensor_")), None)
     if overload is not None and torch.Tag.pointwise in overload.tags:
         return Producer.POINTWISE, name in _EXACT_ARITHMETIC
     return Producer.OTHER, False

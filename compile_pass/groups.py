@@ -79,6 +79,7 @@ class Rejection(str, Enum):
     WITHIN_ONE_LAYER = "within one layer"  # a concat of values one matmul apart (MLA)
     #: priced
     NO_SAVING = "no saving"  # the estimated peak would not drop (or would rise)
+    FUSED_INTO_READERS = "fused into its readers"  # Inductor computes the concat inside pointwise readers
     PEAK_ELSEWHERE = "peak elsewhere"  # reached outside the span the rewrite changes
     LIFTED_CANNOT_PAY = "lifted buffer cannot pay"  # live through the peak before the first capture
     #: rewritten

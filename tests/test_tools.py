@@ -77,3 +77,12 @@ def test_fuzz_batch_totals():
     assert per_inner["inductor"]["rewritten"] == 84 and per_inner["inductor"]["out_rewritten"] == 6
     assert per_inner["inductor"]["token_counts"] == 144 and per_inner["inductor"]["runs"] == 100
     assert knobs == {"return_list": 24, "split": 34}
+    oracle = ("             captures as the model computes them (twins merged) where the list build rounds "
+              "differently: 0 cases, largest difference 0; captures as computed outside the concat where the "
+              "list build computes them into it: 1 cases, largest difference 5.96e-08; list build (pass off) "
+              "changes the model's own output: 2 cases, of which the pass keeps the list build's: 1; list build "
+              "wrong vs eager, the pass right: 3\n")
+    counts, largest = fuzz_runs.oracle_totals([oracle, oracle.replace("5.96e-08", "2.4e-07")])
+    assert counts == {"twin_rounding": 0, "own_kernel_rounding": 2, "list_changes_model": 4, "model_as_list": 2,
+                      "reference_wrong": 6}
+    assert largest["own_kernel_rounding"] == 2.4e-07

@@ -26,6 +26,14 @@ from typing import Dict, List, Sequence, Tuple
 
 _COUNTER = re.compile(r"(\w+)=(\d+)")
 _INNER_LINE = re.compile(r"^\s+(eager|aot_eager|inductor)\s+runs=")
+#: the Inductor oracle's sentence on each batch's second line -> counters (and largest differences)
+_ORACLE = (
+    ("twin_rounding", re.compile(r"list build rounds differently: (\d+) cases, largest difference ([-\d.e+]+)")),
+    ("own_kernel_rounding", re.compile(r"computes them into it: (\d+) cases, largest difference ([-\d.e+]+)")),
+    ("list_changes_model", re.compile(r"changes the model's own output: (\d+) cases")),
+    ("model_as_list", re.compile(r"of which the pass keeps the list build's: (\d+)")),
+    ("reference_wrong", re.compile(r"list build wrong vs eager, the pass right: (\d+)")),
+)
 
 
 def _commit() -> str:
@@ -45,6 +53,19 @@ def run_batch(start: int, cases: int, inners: str) -> Tuple[str, str, float, int
     shown = "python -m tools.fuzz " + " ".join(cmd[3:])
     return shown, r.stdout + (r.stderr[-2000:] if r.returncode not in (0, 1) else ""), \
         time.time() - began, r.returncode
+
+
+def oracle_totals(outputs: Sequence[str]) -> Tuple[Counter, Dict[str, float]]:
+    """The Inductor oracle's counters summed over batches, and each kind's largest difference."""
+    counts: Counter = Counter()
+    largest: Dict[str, float] = {}
+    for out in outputs:
+        for name, pattern in _ORACLE:
+            for match in pattern.finditer(out):
+                counts[name] += int(match.group(1))
+                if match.lastindex and match.lastindex >= 2:
+                    largest[name] = max(largest.get(name, 0.0), float(match.group(2)))
+    return counts, largest
 
 
 def totals(outputs: Sequence[str]) -> Tuple[Dict[str, Counter], Counter]:
@@ -91,6 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"the per-run summaries below, each headed by its command and commit", ""]
     for inner, counts in per_inner.items():
         lines.append(f"TOTAL {inner}: " + " ".join(f"{k}={v}" for k, v in counts.items()))
+    oracle, largest = oracle_totals([out for _, out, _, _ in results])
+    if oracle:
+        lines.append("TOTAL " + " ".join(f"{k}={oracle[k]}" + (f" (largest {largest[k]:.3g})" if k in largest else "")
+                                         for k, _ in _ORACLE))
     lines.append("TOTAL cases per knob: " + ", ".join(f"{k}: {v}" for k, v in knobs.items()))
     lines.append("")
     for start, (cmd, out, secs, _) in zip(starts, results):
@@ -98,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     bad = sum(c.get("mismatches", 0) + c.get("compile_failures", 0) for c in per_inner.values())
-    print("\n".join(lines[2:len(per_inner) + 3]))
+    print("\n".join(line for line in lines if line.startswith("TOTAL")))
     return 1 if bad or any(rc not in (0, 1) for *_, rc in results) else 0
 
 
