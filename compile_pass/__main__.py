@@ -66,9 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("--inner", choices=_INNERS, default="eager",
                       help="inner compiler behind the pass (default: eager)")
     diff.add_argument("--split-ops", metavar="A,B", default=None,
-                      help="split the graph at these ops (piecewise graphs; not implemented yet)")
+                      help="split the Dynamo graph at these ops (piecewise graphs, as the engines compile)")
     diff.add_argument("--pack-outputs", action="store_true",
-                      help="pack captures returned as graph outputs (not implemented yet)")
+                      help="pack captures returned as graph outputs into one buffer")
     diff.add_argument("--dynamic", action=argparse.BooleanOptionalAction, default=True,
                       help="compile with dynamic shapes (default: --dynamic)")
     diff.add_argument("--tokens", type=_positive_int, metavar="N", default=None,
@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("--measure", action="store_true",
                       help="also measure the peak with the pass off vs on (measure_peak)")
     diff.add_argument("--no-color", action="store_true", help="no ANSI colors")
+    diff.add_argument("--fuse-projection", action="store_true",
+                      help="project captures read only by the draft's fc into its accumulator "
+                           "(opt-in: changes rounding; docs/projection.md)")
     diff.add_argument("--no-cost-model", action="store_true",
                       help="rewrite every valid group, even where the estimate does not drop")
     return parser
@@ -230,7 +233,7 @@ def _diff(args: argparse.Namespace) -> int:
 
     kwargs = dict(inner=args.inner, split_ops=split_ops, pack_outputs=args.pack_outputs,
                   dynamic=args.dynamic, measure=args.measure, cost_model=not args.no_cost_model,
-                  name=args.model)
+                  fuse_projection=args.fuse_projection, name=args.model)
     try:
         if args.depyf:
             import depyf

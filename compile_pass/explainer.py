@@ -250,7 +250,7 @@ def _table(rows: List[List[str]], indent: str = "  ") -> List[str]:
 
 
 def _group_key(g: CaptureGroup) -> Tuple[Any, ...]:
-    return (g.k, g.widths, g.dtype, g.decision, g.rejection, g.reason,
+    return (g.k, g.widths, g.dtype, g.decision, g.rejection, g.reason, g.projection,
             tuple((c.source, c.location, c.producer, c.strategy) for c in g.captures))
 
 
@@ -381,7 +381,8 @@ class ExplainReport:
                 str(g.k), _widths(g.widths), _dtype(g.dtype),
                 f"{_size(sizes[0])}..{_size(sizes[-1])}" if len(sizes) > 1 else _size(sizes[0]),
                 g.decision.value + (f" x{len(run)}" if len(run) > 1 else ""),
-                (f"[{g.rejection.value}] " if g.rejection is not None else "") + (g.reason or "-"),
+                (f"[{g.rejection.value}] " if g.rejection is not None else "") + (g.reason or "-")
+                + (f" (not projected: {g.projection})" if g.projection and not g.fused else ""),
             ])
         table = _table(rows)
         out = [s(table[0], "bold")]
@@ -492,7 +493,7 @@ def _run(fn: Callable[..., Any], inputs: Tuple[Any, ...]) -> Any:
 def explain(model: Callable[..., Any], *example_inputs: Any, inner: str = "eager",
             split_ops: Optional[Sequence[str]] = None, pack_outputs: bool = False,
             dynamic: bool = True, measure: bool = False, cost_model: bool = True,
-            name: Optional[str] = None) -> ExplainReport:
+            fuse_projection: bool = False, name: Optional[str] = None) -> ExplainReport:
     """Compile ``model`` with the aux_capture backend, run it once, report what the pass did.
 
     ``inner``: ``"eager"`` (the pass rewrites the Dynamo graph), ``"aot_eager"`` (the aten
@@ -505,6 +506,8 @@ def explain(model: Callable[..., Any], *example_inputs: Any, inner: str = "eager
     ``split_ops``: split the Dynamo graph at those ops (the pass runs on the whole Dynamo
     graph first; the report notes the pieces). ``pack_outputs``: captures the graph
     returns become adjacent slices of one buffer (output groups in the report).
+    ``fuse_projection``: a concat read only by the draft's fc is projected into its
+    accumulator (the backend's opt-in; the reason column says which, or why not).
 
     Dynamo's caches are reset first (``torch._dynamo.reset()``), so the report shows a
     fresh compile. Raises ``ModelRunError`` when the compiled model raises.
@@ -519,7 +522,7 @@ def explain(model: Callable[..., Any], *example_inputs: Any, inner: str = "eager
             getattr(model, "__qualname__", type(model).__name__)
     start = time.perf_counter()
     torch._dynamo.reset()
-    options = dict(split_ops=tuple(split_ops or ()), pack_outputs=pack_outputs)
+    options = dict(split_ops=tuple(split_ops or ()), pack_outputs=pack_outputs, fuse_projection=fuse_projection)
     backend = _ExplainBackend(inner=inner, cost_model=cost_model, **options)
     compiled = torch.compile(model, backend=backend, dynamic=dynamic)
     _run(compiled, example_inputs)

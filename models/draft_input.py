@@ -26,9 +26,10 @@ from torch import nn
 import torch.nn.functional as F
 
 from compile_pass.projection import DraftProjection, ProjectingAccumulator, rms_norm
+from models import engine
 from models.engine import EngineConfig, EngineDecoder
 
-__all__ = ["COMBINES", "CAPTURES", "DraftCombine", "TargetWithDraftInput"]
+__all__ = ["COMBINES", "CAPTURES", "FACTORY_NAMES", "DraftCombine", "TargetWithDraftInput", "tiny", "tp_rank"]
 
 COMBINES = ("plain", "norm_before_fc", "fc_norms", "dflash")
 CAPTURES = ("none", "list", "packer", "projected")
@@ -103,3 +104,26 @@ class TargetWithDraftInput(nn.Module):
             return self.target(input_ids, positions, aux=self.combine.accumulator())
         hidden, packed = self.target(input_ids, positions)
         return hidden, (self.combine(packed) if packed is not None else None)
+
+
+FACTORY_NAMES = ("tiny", "tp_rank")
+
+
+def tiny(tokens: int = 32, k: int = 3, combine: str = "plain", dtype: torch.dtype = torch.float32,
+         capture: str = "list") -> Tuple[TargetWithDraftInput, Tuple[torch.Tensor, torch.Tensor]]:
+    """An 8-layer engine-shaped rank (hidden 128) whose K captures feed ``combine``;
+    ``(model, (input_ids, positions))`` for the diff tool:
+    ``python -m compile_pass diff models.draft_input:tiny --fuse-projection``."""
+    cfg = engine.with_captures(engine.scaled(engine.llama_3_1_70b(tp=8, num_layers=8), 64), k)
+    torch.manual_seed(0)
+    model = TargetWithDraftInput(cfg, combine, capture, int(cfg.hidden_size * 0.75), dtype=dtype).eval()
+    return model, engine.example_inputs(cfg, tokens)
+
+
+def tp_rank(tokens: int = 2048, k: int = 3, combine: str = "plain", dtype: torch.dtype = torch.bfloat16,
+            capture: str = "list") -> Tuple[TargetWithDraftInput, Tuple[torch.Tensor, torch.Tensor]]:
+    """One Llama 3.1 70B TP=8 rank scaled 1/8 (12 layers), as ``benchmarks/projection_memory.py``."""
+    cfg = engine.with_captures(engine.scaled(engine.llama_3_1_70b(tp=8, num_layers=12), 8), k)
+    torch.manual_seed(0)
+    model = TargetWithDraftInput(cfg, combine, capture, int(cfg.hidden_size * 0.75), dtype=dtype).eval()
+    return model, engine.example_inputs(cfg, tokens)

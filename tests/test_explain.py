@@ -134,6 +134,7 @@ def _cli_runs_started(request, tmp_path_factory):
                                str(tmp / "fallback")], {"PYTHONPATH": pythonpath}),
         "models.deepseek:tiny": (["models.deepseek:tiny", "--no-color"], None),
         "models.dflash:tiny": (["models.dflash:tiny", "--no-color"], None),
+        "fuse_projection": (["models.draft_input:tiny", "--fuse-projection", "--no-color"], None),
     }
     pool = ThreadPoolExecutor(max_workers=3)
     futures = {name: pool.submit(_run, args, env) for name, (args, env) in specs.items()}
@@ -280,6 +281,19 @@ def test_cli_diff_shows_the_rewrite(cli):
                      out, re.M), out
     assert "reject" in out  # RoPE's rotate-half joins are found and left alone, with a reason
     assert re.search(r"estimated peak: before [\d.]+ MiB .*after [\d.]+ MiB", out)
+
+
+def test_cli_fuse_projection_shows_the_projection(cli):
+    """``--fuse-projection``: the captures go into the draft's accumulator, the concat and
+    fc leave the graph, and the table says so."""
+    run = cli["fuse_projection"]
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert re.search(r"^\s+0\s+packed\s+3\s+3x128\s+float32\s+\S+ KiB\s+rewrite\s+projected into the "
+                     r"draft's accumulator", out, re.M), out
+    added = [line for line in out.splitlines() if line.startswith("+")]
+    assert sum("compile_pass.project_into_" in line for line in added) == 3, out
+    assert any(line.startswith("-") and "torch.cat" in line for line in out.splitlines()), out
 
 
 def test_cli_no_color_has_no_ansi(cli):

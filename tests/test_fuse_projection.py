@@ -161,3 +161,13 @@ def test_fused_projection_under_inductor():
         peaks[fuse] = (peak.bytes, hidden)
     assert torch.equal(peaks[True][1], peaks[False][1])  # the target's output: as without the option
     assert peaks[True][0] < peaks[False][0], peaks
+
+
+def test_explain_says_why_a_group_was_not_projected():
+    from compile_pass import explain
+
+    x = torch.randn(64, H)
+    text = explain(TargetAndDraftInput("norm_before_fc").eval(), x, fuse_projection=True).to_text()
+    assert "(not projected: " in text and "a norm between the concat and fc is not fused" in text, text
+    text = explain(TargetAndDraftInput("plain").eval(), x, fuse_projection=True).to_text()
+    assert "projected into the draft's accumulator" in text and "not projected" not in text, text
