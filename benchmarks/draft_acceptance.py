@@ -149,7 +149,7 @@ def propose(target: TargetLM, draft: Draft, feature: torch.Tensor, ids: torch.Te
 
 def accepted_length(proposals: torch.Tensor, truth: torch.Tensor, gamma: int) -> float:
     """Mean number of leading proposed tokens equal to the target's greedy tokens."""
-    b, t = truth.shape[0], truth.shape[1]
+    t = truth.shape[1]
     n = t - 1 - gamma
     want = torch.stack([truth[:, 2 + j: 2 + j + n] for j in range(gamma)], -1)
     ok = (proposals[:, :n] == want).int()

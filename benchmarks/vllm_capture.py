@@ -76,7 +76,7 @@ def measure(name, backend, make, inputs, warm):
                 torch._dynamo.reset()
                 break
 
-            def full(*x):
+            def full(*x, run=run):
                 h, aux = run(*x)
                 return h, (_cat(aux) if aux else None)
 

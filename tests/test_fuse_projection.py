@@ -10,7 +10,6 @@ twice) the group is packed as without the option and ``projection`` says why."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from compile_pass import aux_capture_backend, measure_peak
