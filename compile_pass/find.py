@@ -22,7 +22,7 @@ from compile_pass.dataflow import (
 )
 from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Provenance, Rejection
 
-__all__ = ["find_capture_groups", "find_output_groups", "classify_producer", "aten_packet",
+__all__ = ["find_capture_groups", "find_output_groups", "classify_producer", "is_dtype_conversion", "aten_packet",
            "exact_out_variant", "exact_binary_op", "LAYER_DEPTH"]
 
 _OPERATOR_NAMES = {
@@ -33,6 +33,9 @@ _EXACT_ARITHMETIC = {"add", "sub", "mul", "div"}  # IEEE correctly rounded: bitw
 _MATMUL = {"mm", "addmm", "linear", "matmul"}
 _BATCHED_MATMUL = {"bmm", "baddbmm"}
 _CLONE = {"clone"}
+#: element-type conversions (``x.float()``, ``x.to(dtype)``, aten ``_to_copy``, prims'
+#: ``convert_element_type``): elementwise, though not tagged pointwise
+_CONVERSIONS = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "_to_copy", "convert_element_type"}
 #: A depth spread (``CaptureGroup.depth_span``) of at least this many matmuls / opaque ops
 #: spans a whole layer: any decoder layer has two or more (attention's projections, the
 #: MLP's up and down). MLA's k = [k_nope, k_rope] join spreads 1 (kv_a, then kv_b).
@@ -102,6 +105,27 @@ def classify_producer(node: fx.Node, table: Optional[NodeTable] = None) -> Produ
         if value is not None and len(inputs) == 2 and all(v.dtype == value.dtype for v in inputs):
             return Producer.EXACT_ARITHMETIC
     return Producer.POINTWISE
+
+
+def is_dtype_conversion(node: fx.Node, table: Optional[NodeTable] = None) -> bool:
+    """Whether ``node`` converts one tensor's element type and nothing else: a conversion
+    op whose value has its first input's shape and another dtype (read from the values,
+    so a ``.to(device)`` or a reshaping call is not one)."""
+    if node.op not in ("call_method", "call_function") or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        name = target.overloadpacket.__name__
+    elif isinstance(target, torch._ops.OpOverloadPacket):
+        name = target.__name__
+    else:
+        name = target if node.op == "call_method" else getattr(target, "__name__", None)
+    if not isinstance(name, str) or name.split(".")[-1] not in _CONVERSIONS:
+        return False
+    value_of = table.value.get if table is not None else tensor_value
+    value, source = value_of(node), value_of(node.args[0])
+    return (value is not None and source is not None and value.shape == source.shape
+            and value.dtype != source.dtype and value.device == source.device)
 
 
 @functools.lru_cache(maxsize=4096)  # a graph calls a few ops many times

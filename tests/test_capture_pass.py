@@ -576,3 +576,44 @@ def test_derived_liveness_equals_a_sweep_from_scratch(request, name):
     assert table.plain_liveness is not None
     assert _liveness_facts(table.plain_liveness) == _liveness_facts(
         LivenessModel(gm.graph, table=table, _from_scratch=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_concat_only_a_norm_reads_is_left_to_inductor(dtype):
+    """A norm over the concat (Eagle3's ``norm_before_fc``; in bf16 it reads the concat
+    through an upcast): Inductor computes the concat inside the norm's kernels, so under an
+    Inductor target (the inductor inner's Dynamo graph) the group is rejected as ``FUSED_INTO_READERS``; under the eager inner (which holds the concat) it is
+    priced as any other."""
+    w = torch.randn(3 * 32, dtype=dtype)
+    layers = [torch.randn(32, 32, dtype=dtype) / 6 for _ in range(4)]
+
+    def f(x):
+        aux, h = [], x
+        for i in range(4):
+            h = torch.tanh(h @ layers[i]) @ layers[i]  # two matmuls a layer
+            aux.append(h + x)
+        packed = torch.cat(aux[:3], dim=-1)
+        pf = packed.float()
+        normed = (pf * torch.rsqrt(pf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype) * w
+        return h, normed
+
+    x = torch.randn(64, 32, dtype=dtype)
+    for target in ("dynamo_lifted", "dynamo"):
+        gm = dynamo_graph(f, x)
+        (group,) = [g for g in run_capture_pass(gm, target).groups if g.k == 3]
+        if target == "dynamo":  # priced as usual
+            assert group.rejection is not Rejection.FUSED_INTO_READERS, group.reason
+        else:
+            assert group.rejection is Rejection.FUSED_INTO_READERS, (target, group.decision, group.reason)
+
+
+def test_is_dtype_conversion_reads_values_not_spelling():
+    from compile_pass.find import is_dtype_conversion
+
+    def f(x):
+        return x.float(), x.to(torch.float32), x.to("cpu"), x.view(-1).float(), x.reshape(4, -1)
+
+    gm = dynamo_graph(f, torch.randn(8, 4, dtype=torch.bfloat16))
+    found = {n.name: is_dtype_conversion(n) for n in gm.graph.nodes if n.op in ("call_method", "call_function")}
+    conversions = [name for name, yes in found.items() if yes]
+    assert len(conversions) == 3, found  # float(), to(float32), the view's float(); not to("cpu") or reshape
