@@ -1,0 +1,81 @@
+"""Markdown tables of a results file, for the docs (the numbers come from the JSON; rerun
+the benchmark named in the file to change them).
+
+    python -m tools.results_table projection docs/results/projection_memory_cpu.json \\
+        docs/results/projection_memory_inductor_cpu.json --dtype bfloat16
+    python -m tools.results_table acceptance docs/results/draft_acceptance_cpu.json
+
+``projection``: one row per combine and K, one column per execution (uncompiled: the list
+path / the packer / ``ProjectingAccumulator``; compiled: the list path / the pass / the pass
+with ``fuse_projection`` / the projected collector compiled), each the peak overhead over
+the packed bytes (``benchmarks/projection_memory.py``), then the max relative error of the
+draft's input per combine. ``acceptance``: ``benchmarks/draft_acceptance.py``'s rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, Dict, List, Sequence
+
+EXECUTIONS = ("module", "eager", "aot_eager", "inductor")
+COMBINES = ("plain", "norm_before_fc", "fc_norms", "dflash")
+
+
+def _rows(paths: Sequence[str]) -> List[Dict[str, Any]]:
+    return [row for path in paths for row in json.load(open(path))["rows"]]
+
+
+def projection_table(rows: List[Dict[str, Any]], dtype: str) -> str:
+    rows = [r for r in rows if r["dtype"] == dtype]
+    executions = [e for e in EXECUTIONS if any(r["execution"] == e for r in rows)]
+    ks = sorted({r["K"] for r in rows})
+    head = ["combine", "K"] + ["uncompiled: list / packer / projected" if e == "module" else
+                               f"{e}: list / pass / fused / projected" for e in executions]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for combine in COMBINES:
+        for k in ks:
+            cells = [combine, str(k)]
+            for e in executions:
+                match = [r for r in rows if r["combine"] == combine and r["K"] == k and r["execution"] == e]
+                if not match:
+                    cells.append("-")
+                    continue
+                names = ("list", "packer", "projected") if e == "module" else ("list", "pass", "fused", "projected")
+                cells.append(" / ".join(f"{match[0][f'overhead_{n}']:.2f}" for n in names))
+            if len(cells) > 2:
+                lines.append("| " + " | ".join(cells) + " |")
+    errors = {}
+    for r in rows:
+        errors.setdefault(r["combine"], []).append(r["rel_err_projected"])
+    lines.append("")
+    lines.append("max |draft input - the list path's| / max |the list path's|, projected per capture: " + "; ".join(
+        f"{c} {min(v):.2g}..{max(v):.2g}" for c, v in errors.items()))
+    equal = all(r[k] for r in rows for k in r if k.startswith("model_equal"))
+    lines.append(f"the target's own output bitwise equal to the build without captures in every row: {equal}")
+    return "\n".join(lines)
+
+
+def acceptance_table(rows: List[Dict[str, Any]]) -> str:
+    head = ["combine", "dtype", "draft input max rel diff", "first token agrees", "all gamma tokens agree",
+            "accepted length: cat", "accepted length: per capture"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append(f"| {r['combine']} | {r['dtype']} | {r['draft_input_max_rel_diff']:.2g} | "
+                     f"{r['first_token_agreement']:.2%} | {r['all_tokens_agreement']:.2%} | "
+                     f"{r['accepted_length_cat']:.4f} | {r['accepted_length_per_capture']:.4f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kind", choices=("projection", "acceptance"))
+    ap.add_argument("paths", nargs="+")
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    rows = _rows(args.paths)
+    print(projection_table(rows, args.dtype) if args.kind == "projection" else acceptance_table(rows))
+
+
+if __name__ == "__main__":
+    main()
