@@ -170,3 +170,26 @@ def test_explain_says_why_a_group_was_not_projected():
     assert "(not projected: " in text and "a norm between the concat and fc is not fused" in text, text
     text = explain(TargetAndDraftInput("plain").eval(), x, fuse_projection=True).to_text()
     assert "projected into the draft's accumulator" in text and "not projected" not in text, text
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_fused_projection_in_piecewise_graphs(inner):
+    """Split at attention (the engines' piecewise graphs): the captures are projected in the
+    pieces that make them, the draft's input read in the last one; the target's output is
+    bitwise the uncompiled model's, one compile serves two token counts."""
+    from models import draft_input, engine
+
+    model, inputs = draft_input.tiny(tokens=64, k=3)
+    torch._dynamo.reset()
+    backend = aux_capture_backend(inner, fuse_projection=True, split_ops=["engine::attention"])
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    cfg = model.target.config
+    with torch.no_grad():
+        for tokens in (64, 200):
+            inputs = engine.example_inputs(cfg, tokens)
+            ref, out = model(*inputs), compiled(*inputs)
+            assert torch.equal(out[0], ref[0])
+            torch.testing.assert_close(out[1], ref[1], rtol=1e-5, atol=1e-5)
+    assert backend.splits and all(s.num_pieces > 1 for s in backend.splits)
+    groups = [g for r in backend.results for g in r.groups if g.k == 3]
+    assert groups and all(g.fused for g in groups), [(g.decision, g.reason) for g in groups]
