@@ -128,7 +128,7 @@ def test_find_on_dynamo_graph_reports_the_group(decoder_and_input):
     assert all("aux.append(x + residual)" in c.source and "test_capture_pass.py" in c.source
                for c in g.captures)
     # finding does not change the graph
-    assert "torch.cat" in gm.code
+    assert [n for n in gm.graph.nodes if n.target is torch.cat] == [g.cat]
 
 
 def test_find_on_aot_graph(decoder_and_input):
@@ -219,7 +219,7 @@ def test_clone_feeding_only_the_concat_is_elided():
 
     x, w = torch.randn(16, 8), torch.randn(8, 8)
     gm = dynamo_graph(fn, x, w)
-    assert gm.code.count(".clone()") == 3
+    assert sum(n.target == "clone" for n in gm.graph.nodes) == 3
     result = run_capture_pass(gm, "dynamo", cost_model=False)
     [group] = result.groups
     assert [c.strategy for c in group.captures] == [Strategy.ELIDE_CLONE] * 3
