@@ -1,5 +1,6 @@
 """The repository's tools (``tools/``): the requirements reader behind ``make vllm``'s
-``--no-deps`` install, the seam table of ``make engines-latest``, the fuzz batches' totals."""
+``--no-deps`` install, the seam table of ``make engines-latest``, the fuzz batches' totals, the
+docs' tables from results files."""
 
 import importlib.metadata
 import zipfile
@@ -7,7 +8,7 @@ import zipfile
 import pytest
 
 from compile_pass.integrations.seams import Patch, Probe, Seam, SeamAbsent, SeamMoved, probe, report
-from tools import engine_seams, fuzz_runs, requirements_of
+from tools import engine_seams, fuzz_runs, requirements_of, results_table
 
 
 def test_canonical_names():
@@ -86,3 +87,27 @@ def test_fuzz_batch_totals():
     assert counts == {"twin_rounding": 0, "own_kernel_rounding": 2, "list_changes_model": 4, "model_as_list": 2,
                       "reference_wrong": 6}
     assert largest["own_kernel_rounding"] == 2.4e-07
+
+
+def _projection_row(combine, k, execution, dtype="bfloat16", **overheads):
+    names = ("list", "packer", "projected") if execution == "module" else ("list", "pass", "fused", "projected")
+    row = {"combine": combine, "K": k, "dtype": dtype, "execution": execution}
+    for i, name in enumerate(names):
+        row[f"overhead_{name}"] = overheads.get(name, 1.0 + i)
+        row[f"rel_err_{name}"] = 0.004 if name == "projected" else 0.0
+        row[f"model_equal_{name}"] = True
+    return row
+
+
+def test_projection_table_one_row_per_combine_and_k_one_column_per_execution():
+    rows = [_projection_row("plain", 3, "module", projected=0.25), _projection_row("plain", 3, "eager"),
+            _projection_row("dflash", 8, "eager", fused=0.125), _projection_row("plain", 3, "eager", dtype="float32")]
+    table = results_table.projection_table(rows, "bfloat16").splitlines()
+    assert table[0] == ("| combine | K | uncompiled: list / packer / projected | "
+                        "eager: list / pass / fused / projected |")
+    assert "| plain | 3 | 1.00 / 2.00 / 0.25 | 1.00 / 2.00 / 3.00 / 4.00 |" in table
+    assert "| dflash | 8 | - | 1.00 / 2.00 / 0.12 / 4.00 |" in table  # 0.125 rounds half to even
+    assert len([line for line in table if line.startswith("| ")]) == 3  # the fp32 row is not in a bf16 table
+    assert table[-1].endswith(": True")
+    rows[1]["model_equal_pass"] = False
+    assert results_table.projection_table(rows, "bfloat16").endswith(": False")
