@@ -43,13 +43,14 @@ def test_plugin_enables_the_compiler_way_in_on_the_plain_list_layout():
 
 def test_dflash_k12_compiled_inner_model_packs_in_place(tmp_path):
     """The compiled inner model returns adjacent slices, the logits store hands back the view:
-    the compiled list path's spike (about 2.4x the packed bytes here) goes to 1.00, and the
-    captures and final hidden states equal the eager list path's bit for bit."""
+    the compiled list path's spike (1.38x the packed bytes here: the K captures beside SGLang's
+    own cat) goes to 1.00, and the captures and final hidden states equal the eager list path's
+    bit for bit."""
     res = _bench(tmp_path, K="12", LAYERS="16", NREQ="4", LEN="512", INNER="eager")
     assert res["plugin_active"] and res["compiled"] >= 1 and res["failed"] == [], res
     assert res["aux_bitwise"] and res["last_hidden_bitwise"] and res["compiled_pass_off_bitwise"], res
     assert res["packed_views"] >= 1, res
-    assert res["overhead_compiled_pass_off_vs_compiled_base"] >= 1.5, res
+    assert res["overhead_compiled_pass_off_vs_compiled_base"] >= 1.25, res
     assert res["overhead_on_vs_compiled_base"] <= 1.01, res
     assert res["peak_on"] < res["peak_off"], res
 
