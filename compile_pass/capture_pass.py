@@ -33,6 +33,7 @@ from compile_pass.fuse_projection import FcReader, fc_reading, fuse_into_accumul
 from compile_pass.groups import CaptureGroup, Decision, GroupKind, Producer, Rejection, summarize
 from compile_pass.lift import LiftedBuffers, LiftError, lift_packed_buffers
 from compile_pass.liveness import LivenessModel
+from compile_pass.norm_match import op_name
 from compile_pass.plan import GraphFacts, plan_group
 from compile_pass.result import CODE_NOT_KEPT, PassResult
 from compile_pass.rewrite import (RewriteError, check_rewrite, compute_writes_into_slices, rewrite_group,
@@ -218,7 +219,7 @@ def _fc_of(group: CaptureGroup) -> Optional[FcReader]:
     if group.dim not in (-1, len(group.example_shape) - 1):
         group.projection = "the concat is not along the last dim"
         return None
-    fc, why = fc_reading(group.cat, sum(group.widths))
+    fc, why = fc_reading(group.cat, group.widths)
     group.projection = why
     return fc
 
@@ -228,7 +229,7 @@ def _fused_trial_peak(state: "_GraphState", group: CaptureGroup) -> Optional[int
     draft's accumulator; None (``group.projection`` says why) if that cannot be expressed."""
     trial, node_map = copy_graph(state.gm.graph)
     copy = group.replace_nodes(node_map)
-    fc, _ = fc_reading(copy.cat, sum(group.widths))
+    fc, _ = fc_reading(copy.cat, group.widths)
     try:
         buffer = rewrite_group(trial, copy)
         fuse_into_accumulator(trial, buffer, fc)
@@ -239,7 +240,7 @@ def _fused_trial_peak(state: "_GraphState", group: CaptureGroup) -> Optional[int
     return state.target.liveness(trial).peak()
 
 
-def _decide_fused(state: "_GraphState", group: CaptureGroup, cost_model: bool) -> Optional[bool]:
+def _decide_fused(state: "_GraphState", group: CaptureGroup, cost_model: bool, combine: str) -> Optional[bool]:
     """``fuse_projection``: plan ``group`` for projection (copies, no slot views) and price
     the fused rewrite against the list path; None where it cannot be fused (the caller then
     decides it as a packed group)."""
@@ -258,7 +259,7 @@ def _decide_fused(state: "_GraphState", group: CaptureGroup, cost_model: bool) -
                                           f"drop ({_mib(before)} -> {_mib(after)})")
         return False
     group.decision, group.fused = Decision.REWRITE, True
-    group.reason = (f"projected into the draft's accumulator: estimated peak {_mib(before)} -> "
+    group.reason = (f"projected into the draft's accumulator ({combine}): estimated peak {_mib(before)} -> "
                     f"{_mib(after)} ({(after - before) / before:+.0%})")
     if after >= before:
         group.reason += "; rewritten because the cost model is off"
@@ -282,8 +283,9 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool, fuse_proj
     if refusal is not None:
         group.reject(*refusal)
         return False
-    if fuse_projection and _fc_of(group) is not None:
-        fused = _decide_fused(state, group, cost_model)
+    fc = _fc_of(group) if fuse_projection else None
+    if fc is not None:
+        fused = _decide_fused(state, group, cost_model, fc.describe())
         if fused is not None:
             return fused
     if target.inductor_cost and cost_model and group.kind is GroupKind.CONCAT \
@@ -362,12 +364,17 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool, fuse_proj
     return True
 
 
+#: ops whose outputs are views of their input's pieces (read through ``getitem``)
+_SPLITS = ("split", "split_with_sizes", "tensor_split", "chunk", "unbind")
+
+
 def _pointwise_readers_only(group: CaptureGroup, table: NodeTable) -> bool:
     """Whether every reader of ``group``'s concat (through views of it) is a pointwise op
     or a dtype conversion (a bf16 norm's upcast):
     Inductor can then compute the concat inside its readers' kernels and never hold it
     (measured: a norm over the concat before the draft's fc, K=8, Inductor: the list path
-    1.77x the packed bytes, a packed buffer 1.86x), so packing can only add a buffer."""
+    1.77x the packed bytes, a packed buffer 1.86x; one norm per capture, read through a
+    split of the concat, alike), so packing can only add a buffer."""
     todo, seen = [group.cat], set()
     while todo:
         node = todo.pop()
@@ -376,7 +383,7 @@ def _pointwise_readers_only(group: CaptureGroup, table: NodeTable) -> bool:
                 continue
             seen.add(reader)
             kind = classify_producer(reader, table) if reader.op != "output" else None
-            if kind is Producer.VIEW:
+            if kind is Producer.VIEW or op_name(reader) in _SPLITS:  # a split: its pieces are views
                 todo.append(reader)
             elif kind not in (Producer.POINTWISE, Producer.EXACT_ARITHMETIC) \
                     and not is_dtype_conversion(reader, table):
@@ -508,7 +515,7 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
                 continue
             # the trial on a copy (or the check) succeeded: the rewrite on the graph itself
             result.keep_code_before(gm.graph)  # the text before the graph's first change
-            fc = fc_reading(group.cat, sum(group.widths))[0] if group.fused else None
+            fc = fc_reading(group.cat, group.widths)[0] if group.fused else None
             buffer = rewrite_group(gm.graph, group)
             if fc is not None:
                 fuse_into_accumulator(gm.graph, buffer, fc)

@@ -12,26 +12,38 @@ transpose in an aten graph), the rewritten group's writes become projections:
   first term in graph order written rather than added;
 - the fc becomes the accumulator itself, with ``bias_into_(acc, b)`` before its first reader.
 
+A norm between the concat and ``fc``, recognized by ``norm_match.py``, is folded in:
+
+- one RMSNorm over the whole concat (Eagle3's ``norm_before_fc``): each write also adds
+  its capture's sum of squares into an fp32 ``[*lead, 1]`` buffer
+  (``sum_squares_into_``) and projects ``x_k * g_k`` (``project_scaled_into_``);
+  ``rms_scale_`` scales the accumulator once, per token, before the bias;
+- one RMSNorm per capture (``split`` or slices of the concat, each normed, concatenated
+  again; vLLM's ``fc_norm``): each write projects its capture's norm
+  (``project_normed_into_``).
+
 Opt-in (``options={"fuse_projection": True}``): K partial products are rounded and summed
 where the draft computed one GEMM (the draft's input differs in the last bits; the
-measured size is in docs/projection.md). A norm between the concat and ``fc`` (Eagle3's
-``norm_before_fc`` or per-chunk norms) is not matched here: such a group is packed as
-without the option (the eager ``ProjectingAccumulator`` handles those combines).
+measured size is in docs/projection.md). The norms are computed as
+``ProjectingAccumulator`` computes them (``ops.rms_norm``), so the compiled and the eager
+projection agree.
 
-Invariant: the accumulator's value at the fc's place equals ``sum_k x_k @ W_k^T + b``
-with each ``x_k`` the value its write read; nothing else the graph computes changes.
+Invariant: the accumulator's value at the fc's place equals the combine of the captures
+(``sum_k n_k(x_k) @ W_k^T``, scaled per token for a norm over the concat, ``+ b``) with each
+``x_k`` the value its write read; nothing else the graph computes changes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.fx as fx
 
 import compile_pass.ops  # noqa: F401  (registers the projection ops)
-from compile_pass.dataflow import tensor_value
+from compile_pass.dataflow import is_cat, tensor_value
+from compile_pass.norm_match import RMSNormMatch, chunk_readers, match_rms_norm
 
 __all__ = ["FcReader", "fc_reading", "fuse_into_accumulator", "ACCUMULATOR_NAME"]
 
@@ -41,6 +53,11 @@ _BINARY_INTO = torch.ops.compile_pass.binary_into_slice_.default
 _PROJECT = torch.ops.compile_pass.project_into_.default
 _PROJECT_BINARY = torch.ops.compile_pass.project_binary_into_.default
 _BIAS = torch.ops.compile_pass.bias_into_.default
+_PROJECT_NORMED = torch.ops.compile_pass.project_normed_into_.default
+_PROJECT_SCALED = torch.ops.compile_pass.project_scaled_into_.default
+_SUM_SQUARES = torch.ops.compile_pass.sum_squares_into_.default
+_RMS_SCALE = torch.ops.compile_pass.rms_scale_.default
+_PROJECTIONS = (_PROJECT, _PROJECT_BINARY, _PROJECT_NORMED, _PROJECT_SCALED)
 _EMPTY = torch.ops.aten.empty.memory_format
 
 _aten = torch.ops.aten
@@ -51,14 +68,28 @@ _TRANSPOSES = (_aten.t.default, _aten.permute.default, _aten.transpose.int)
 
 @dataclass(frozen=True)
 class FcReader:
-    """The draft's fc reading a concat: ``out`` is the node whose value is ``[*, H_draft]``
-    (the linear, or the mm/addmm), ``flat`` the view flattening the concat to 2-D, if any."""
+    """The draft's combine reading a concat: ``out`` is the node whose value is
+    ``[*, H_draft]`` (the linear, or the mm/addmm), ``flat`` the view flattening its input to
+    2-D, if any; ``norm``: an RMSNorm over the whole concat before ``fc``; ``chunk_norms``:
+    one RMSNorm per capture instead; ``between``: the nodes from the concat to ``fc``'s
+    input (the norms, the split, the second concat), read by nothing else."""
 
     out: fx.Node
     weight: fx.Node
     bias: Optional[fx.Node]
     flat: Optional[fx.Node]
     transpose: Optional[fx.Node]
+    norm: Optional[RMSNormMatch] = None
+    chunk_norms: Tuple[RMSNormMatch, ...] = ()
+    between: Tuple[fx.Node, ...] = ()
+
+    def describe(self) -> str:
+        """What the combine is, in the diff tool's words."""
+        if self.norm is not None:
+            return "an RMSNorm over the concat, then fc"
+        if self.chunk_norms:
+            return "an RMSNorm per capture, then fc"
+        return "fc"
 
 
 def _only_user(node: fx.Node) -> Optional[fx.Node]:
@@ -79,10 +110,57 @@ def _is_transpose_of(node: object) -> Optional[fx.Node]:
     return source if value is not None and value.dim() == 2 else None
 
 
-def fc_reading(cat: fx.Node, width: int) -> Tuple[Optional[FcReader], str]:
-    """The fc reading ``cat`` (its only reader), with ``W`` of shape ``[H_draft, width]``; or
-    (None, why not)."""
-    user = _only_user(cat)
+def _is_fc_input(node: fx.Node) -> bool:
+    """Whether ``node`` is a flattening view or a linear / mm / addmm (what reads the
+    combine's input)."""
+    return node.op == "call_function" and (node.target in _FLATTENS or node.target in _LINEARS
+                                           or node.target in (_aten.mm.default, _aten.addmm.default))
+
+
+def _norms_before_fc(cat: fx.Node, widths: Sequence[int]) -> Tuple[Optional[fx.Node], dict, str]:
+    """The node ``fc`` reads when a norm sits between it and ``cat`` (the norm's output, or
+    the concat of the per-capture norms) and the FcReader fields saying which; or
+    (None, {}, why not)."""
+    norm, why_whole = match_rms_norm(cat)
+    if norm is not None:
+        weight = tensor_value(norm.weight) if norm.weight is not None else None
+        if weight is not None and weight.shape[0] != sum(widths):
+            return None, {}, f"the norm's weight {norm.weight.name} is not [{sum(widths)}]"
+        return norm.output, {"norm": norm, "between": norm.interior}, ""
+    chunks, splits, why_chunks = chunk_readers(cat, widths)
+    if chunks is None:
+        return None, {}, (f"the concat's reader is neither the draft's fc nor a norm before it "
+                          f"(a norm over it: {why_whole}; one per capture: {why_chunks})")
+    matches = []
+    for chunk in chunks:
+        match, why = match_rms_norm(chunk)
+        if match is None:
+            return None, {}, f"the chunk {chunk.name} is not normed: {why}"
+        matches.append(match)
+    outputs = [m.output for m in matches]
+    again = _only_user(outputs[0])
+    value = tensor_value(again) if again is not None else None
+    if again is None or not is_cat(again) or list(again.args[0]) != outputs or value is None \
+            or (again.args[1] if len(again.args) > 1 else again.kwargs.get("dim", 0)) not in (-1, value.dim() - 1) \
+            or any(len(o.users) != 1 for o in outputs):
+        return None, {}, "the normed chunks are not concatenated again, in order, along the last dim"
+    between = (*splits, *chunks, *(n for m in matches for n in m.interior), again)
+    return again, {"chunk_norms": tuple(matches), "between": between}, ""
+
+
+def fc_reading(cat: fx.Node, widths: Sequence[int]) -> Tuple[Optional[FcReader], str]:
+    """The draft's combine reading ``cat`` (all its readers): optionally an RMSNorm over it
+    or one per capture (of ``widths``), then an fc with ``W`` of shape ``[H_draft,
+    sum(widths)]``; or (None, why not)."""
+    width = sum(widths)
+    head, found = cat, {}
+    if len(cat.users) > 1 and any(_is_fc_input(u) for u in cat.users):
+        return None, f"the concat has {len(cat.users)} readers, not one fc"
+    if cat.users and not _is_fc_input(next(iter(cat.users))):
+        head, found, why = _norms_before_fc(cat, widths)
+        if head is None:
+            return None, why
+    user = _only_user(head)
     if user is None:
         return None, f"the concat has {len(cat.users)} readers, not one fc"
     flat = None
@@ -90,23 +168,22 @@ def fc_reading(cat: fx.Node, width: int) -> Tuple[Optional[FcReader], str]:
         flat, user = user, _only_user(user)
         if user is None:
             return None, "the flattened concat has more than one reader"
+    not_fc = f"the reader {user.name} of the draft's input is not its fc (linear, mm, addmm)"
     if user.op != "call_function":
-        return None, (f"the concat's reader {user.name} is not the draft's fc (linear, mm, addmm); a norm "
-                      f"between the concat and fc is not fused by the pass")
+        return None, not_fc
     weight = bias = transpose = None
-    if user.target in _LINEARS and user.args and user.args[0] is (flat or cat):
+    if user.target in _LINEARS and user.args and user.args[0] is (flat or head):
         weight = user.args[1] if len(user.args) > 1 else user.kwargs.get("weight")
         bias = user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
-    elif user.target is _aten.mm.default and user.args[0] is (flat or cat):
+    elif user.target is _aten.mm.default and user.args[0] is (flat or head):
         transpose = user.args[1]
         weight = _is_transpose_of(transpose)
-    elif user.target is _aten.addmm.default and user.args[1] is (flat or cat) \
+    elif user.target is _aten.addmm.default and user.args[1] is (flat or head) \
             and user.kwargs.get("beta", 1) == 1 and user.kwargs.get("alpha", 1) == 1:
         bias, transpose = user.args[0], user.args[2]
         weight = _is_transpose_of(transpose)
     else:
-        return None, (f"the concat's reader {user.name} is not the draft's fc (linear, mm, addmm); a norm "
-                      f"between the concat and fc is not fused by the pass")
+        return None, not_fc
     value = tensor_value(weight) if isinstance(weight, fx.Node) else None
     if value is None or value.dim() != 2 or value.shape[1] != width:
         return None, f"the fc's weight is not [H_draft, {width}]"
@@ -115,12 +192,15 @@ def fc_reading(cat: fx.Node, width: int) -> Tuple[Optional[FcReader], str]:
         return None, "the fc's bias is not [H_draft]"
     if not value.dtype.is_floating_point:
         return None, f"the fc's weight is {value.dtype} (a quantized fc): packed as without the option"
-    return FcReader(user, weight, bias, flat, transpose if isinstance(transpose, fx.Node) else None), ""
+    return FcReader(user, weight, bias, flat, transpose if isinstance(transpose, fx.Node) else None,
+                    **found), ""
 
 
-#: ops that make a weight out of a parameter without computing (a chain of them may sit
-#: anywhere in a graph; the projection needs the weight at the first capture)
-_WEIGHT_VIEWS = ("detach", "alias", "t", "permute", "transpose", "view", "reshape", "contiguous")
+#: ops that make a weight out of a parameter without computing, or read (and convert) a
+#: traced scalar input (a norm's eps); a chain of them may sit anywhere in a graph: the
+#: projection needs its weights and eps at the first capture
+_WEIGHT_VIEWS = ("detach", "alias", "t", "permute", "transpose", "view", "reshape", "contiguous", "item",
+                 "_local_scalar_dense", "convert_element_type", "_to_copy", "to")
 
 
 def _weight_chain(weight: fx.Node) -> Optional[list]:
@@ -142,58 +222,114 @@ def _meta_key(node: fx.Node) -> str:
     return "val" if "val" in node.meta else "example_value"
 
 
+def _empty_like_buffer(graph: fx.Graph, buffer: fx.Node, last: int, dtype: Optional[torch.dtype],
+                       name: str) -> fx.Node:
+    """A new uninitialized ``[*lead, last]`` tensor allocated where ``buffer`` is (``dtype``:
+    the buffer's if None), with its metadata value."""
+    key = _meta_key(buffer)
+    value = buffer.meta.get(key)
+    kwargs = dict(buffer.kwargs)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    with graph.inserting_after(buffer):
+        node = graph.call_function(_EMPTY, (list(buffer.args[0])[:-1] + [last],), kwargs)
+        node._rename(name)
+    mode = torch._guards.detect_fake_mode([value]) if value is not None else None
+    if mode is not None:
+        with mode:
+            node.meta[key] = torch.empty((*value.shape[:-1], last), dtype=dtype or value.dtype, device=value.device)
+    for k in ("stack_trace", "nn_module_stack"):
+        if k in buffer.meta:
+            node.meta[k] = buffer.meta[k]
+    return node
+
+
+def _available_before(graph: fx.Graph, weight: fx.Node, first_write: fx.Node) -> None:
+    """Make ``weight`` (the fc's or a norm's) computed before ``first_write``: the view-like
+    ops making it from a parameter move there; raises ``ValueError`` if it is computed
+    otherwise after the first capture."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    if position[weight] < position[first_write]:
+        return
+    chain = _weight_chain(weight)
+    if chain is None:
+        raise ValueError(f"the weight {weight.name} is computed after the first capture")
+    for node in chain:  # view-like ops of a parameter: computed where the first write needs them
+        if position[node] > position[first_write]:  # (a chain shared with an earlier weight stays)
+            first_write.prepend(node)
+
+
+def _eps_args(norm: RMSNormMatch) -> tuple:
+    """The ops' ``(eps, eps_tensor)`` for ``norm``'s eps: a number (or a traced scalar's
+    node) as ``eps``, a 0-dim tensor's node as ``eps_tensor``."""
+    value = tensor_value(norm.eps) if isinstance(norm.eps, fx.Node) else None
+    return (0.0, norm.eps) if value is not None else (norm.eps, None)
+
+
 def fuse_into_accumulator(graph: fx.Graph, buffer: fx.Node, fc: FcReader) -> fx.Node:
-    """Turn ``buffer`` (a rewritten group's packed buffer, read by ``fc`` alone) into the
-    projected accumulator in place; return the accumulator node. Raises ``ValueError``
-    (graph unchanged) where a reader of the buffer is neither a write nor the fc."""
+    """Turn ``buffer`` (a rewritten group's packed buffer, read by ``fc``'s combine alone)
+    into the projected accumulator in place; return the accumulator node. Raises
+    ``ValueError`` (graph unchanged) where a reader of the buffer is neither a write nor the
+    combine."""
     writes = [u for u in buffer.users if u.op == "call_function" and u.target in (_WRITE, _BINARY_INTO)]
     readers = [u for u in buffer.users if u not in writes]
-    if readers != [fc.flat or fc.out]:
-        raise ValueError(f"the packed buffer is read by {', '.join(u.name for u in readers)}, not only the fc")
+    combine = set(fc.between) | {fc.flat or fc.out}
+    if not readers or any(r not in combine for r in readers):
+        raise ValueError(f"the packed buffer is read by {', '.join(u.name for u in readers)}, not only the "
+                         f"draft's combine")
     for write in writes:
         dim = write.args[2] if write.target is _WRITE else write.args[4]
         if dim not in (-1, tensor_value(buffer).dim() - 1):
             raise ValueError("a capture is written along a dim other than the last")
     position = {n: i for i, n in enumerate(graph.nodes)}
-    first_write = min(writes, key=position.__getitem__)
-    if position[fc.weight] > position[first_write]:
-        chain = _weight_chain(fc.weight)
-        if chain is None:
-            raise ValueError(f"the fc's weight {fc.weight.name} is computed after the first capture")
-        for node in chain:  # view-like ops of a parameter: computed where the first write needs them
-            first_write.prepend(node)
+    writes.sort(key=position.__getitem__)
+    norms = [m for m in (fc.norm, *fc.chunk_norms) if m is not None]
+    inputs = [n for m in norms for n in (m.weight, m.eps) if isinstance(n, fx.Node)]
+    for weight in (fc.weight, *inputs):
+        _available_before(graph, weight, writes[0])
     key = _meta_key(buffer)
-    value = buffer.meta.get(key)
+    width = tensor_value(buffer).shape[-1]
     out_features = tensor_value(fc.weight).shape[0]
-    with graph.inserting_after(buffer):
-        sizes = list(buffer.args[0])[:-1] + [out_features]
-        acc = graph.call_function(_EMPTY, (sizes,), dict(buffer.kwargs))
-        acc._rename(ACCUMULATOR_NAME)
-    mode = torch._guards.detect_fake_mode([value]) if value is not None else None
-    if mode is not None:
-        with mode:
-            acc.meta[key] = torch.empty((*value.shape[:-1], out_features), dtype=value.dtype, device=value.device)
-    for k in ("stack_trace", "nn_module_stack"):
-        if k in buffer.meta:
-            acc.meta[k] = buffer.meta[k]
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    for i, write in enumerate(sorted(writes, key=position.__getitem__)):
+    acc = _empty_like_buffer(graph, buffer, out_features, None, ACCUMULATOR_NAME)
+    sumsq = _empty_like_buffer(graph, buffer, 1, torch.float32, "aux_sum_squares") if fc.norm else None
+    starts = {}
+    if fc.chunk_norms:
+        offset = 0
+        for match in fc.chunk_norms:
+            starts[offset] = match
+            offset += tensor_value(match.input).shape[-1]
+    for i, write in enumerate(writes):
         first = i == 0
+        if write.target is _WRITE:
+            _, a, _, start = write.args
+            b, op = None, ""
+        else:
+            _, a, b, op, _, start = write.args
         with graph.inserting_before(write):
-            if write.target is _WRITE:
-                _, src, _, start = write.args
-                new = graph.call_function(_PROJECT, (acc, src, fc.weight, start, first), {})
+            if fc.norm is not None:
+                terms = [graph.call_function(_SUM_SQUARES, (sumsq, a, b, op, first), {}),
+                         graph.call_function(_PROJECT_SCALED, (acc, a, b, op, fc.norm.weight, fc.weight, start,
+                                                               first), {})]
+            elif fc.chunk_norms:
+                if start not in starts:
+                    raise ValueError(f"the capture written at {start} is not one chunk of the per-capture norms")
+                match = starts[start]
+                terms = [graph.call_function(_PROJECT_NORMED, (acc, a, b, op, match.weight, *_eps_args(match),
+                                                               fc.weight, start, first), {})]
+            elif b is None:
+                terms = [graph.call_function(_PROJECT, (acc, a, fc.weight, start, first), {})]
             else:
-                _, a, b, op, _, start = write.args
-                new = graph.call_function(_PROJECT_BINARY, (acc, a, b, op, fc.weight, start, first), {})
-        new.meta.update({k: v for k, v in write.meta.items() if k not in ("val", "example_value")})
-        new.meta[key] = None
+                terms = [graph.call_function(_PROJECT_BINARY, (acc, a, b, op, fc.weight, start, first), {})]
+        for term in terms:
+            term.meta.update({k: v for k, v in write.meta.items() if k not in ("val", "example_value")})
+            term.meta[key] = None
         graph.erase_node(write)
     first_reader = fc.out
-    if fc.bias is not None:
-        with graph.inserting_before(first_reader):
-            bias = graph.call_function(_BIAS, (acc, fc.bias), {})
-            bias.meta[key] = None
+    with graph.inserting_before(first_reader):
+        if fc.norm is not None:
+            graph.call_function(_RMS_SCALE, (acc, sumsq, width, *_eps_args(fc.norm)), {}).meta[key] = None
+        if fc.bias is not None:
+            graph.call_function(_BIAS, (acc, fc.bias), {}).meta[key] = None
     flat_value = tensor_value(fc.out)
     if fc.flat is not None and flat_value is not None and flat_value.dim() != tensor_value(acc).dim():
         with graph.inserting_before(first_reader):
@@ -203,7 +339,7 @@ def fuse_into_accumulator(graph: fx.Graph, buffer: fx.Node, fc: FcReader) -> fx.
         result = acc
     fc.out.replace_all_uses_with(result)
     graph.erase_node(fc.out)
-    for node in (fc.flat, fc.transpose):
+    for node in (fc.flat, fc.transpose, *reversed(fc.between)):
         if node is not None and not node.users:
             graph.erase_node(node)
     if not buffer.users:
@@ -214,5 +350,5 @@ def fuse_into_accumulator(graph: fx.Graph, buffer: fx.Node, fc: FcReader) -> fx.
 def is_accumulator(node: fx.Node) -> bool:
     """Whether ``node`` is an accumulator ``fuse_into_accumulator`` made."""
     return node.op == "call_function" and node.target is _EMPTY and any(
-        u.op == "call_function" and u.target in (_PROJECT, _PROJECT_BINARY) for u in node.users)
+        u.op == "call_function" and u.target in _PROJECTIONS for u in node.users)
 

@@ -15,9 +15,12 @@ mutation is what makes the write survive every place the rewritten graph can go:
 
 from __future__ import annotations
 
+from typing import Optional, Union
+
 import torch
 
 __all__ = ["write_slice_", "binary_into_slice_", "project_into_", "project_binary_into_", "bias_into_",
+           "project_normed_into_", "project_scaled_into_", "sum_squares_into_", "rms_scale_", "rms_norm",
            "BINARY_OPS", "MUTATED_ARG"]
 
 #: the correctly rounded binary ops ``binary_into_slice_`` computes (aten op names)
@@ -111,8 +114,101 @@ def _bias_into_fake(acc: torch.Tensor, bias: torch.Tensor) -> None:
     return None
 
 
+# --------------------------------------- the draft's norms before fc, folded into the projection
+def _source(a: torch.Tensor, b: Optional[torch.Tensor], op: str) -> torch.Tensor:
+    """A capture: ``a``, or ``op(a, b)`` where the rewrite computes it at its write."""
+    if b is None:
+        return a
+    if op not in BINARY_OPS:
+        raise ValueError(f"the capture's op must be one of {BINARY_OPS}, got {op!r}")
+    return getattr(torch, op)(a, b)
+
+
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: Union[float, torch.Tensor]) -> torch.Tensor:
+    """RMSNorm as vLLM's and SGLang's ``forward_native`` compute it: in fp32, cast back to
+    ``x``'s dtype, then times ``weight`` (``eps``: a number or a 0-dim tensor, added alike)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) * weight if weight is not None else xf.to(x.dtype)
+
+
+@torch.library.custom_op("compile_pass::project_normed_into_", mutates_args=("acc",), tags=_TAGS)
+def project_normed_into_(acc: torch.Tensor, a: torch.Tensor, b: Optional[torch.Tensor], op: str,
+                         norm_weight: Optional[torch.Tensor], eps: float, eps_tensor: Optional[torch.Tensor],
+                         weight: torch.Tensor, start: int, first: bool) -> None:
+    """``acc (+)= rms_norm(src, norm_weight, eps) @ weight[:, start:start+h].T``: a capture's
+    own norm (the draft's per-capture ``fc_norm``) applied, then its term (``project_into_``).
+    ``eps_tensor``, if given, is the eps (a 0-dim tensor: a traced float input)."""
+    epsilon = eps_tensor if eps_tensor is not None else eps
+    project_into_(acc, rms_norm(_source(a, b, op), norm_weight, epsilon), weight, start, first)
+
+
+@project_normed_into_.register_fake
+def _project_normed_into_fake(acc: torch.Tensor, a: torch.Tensor, b: Optional[torch.Tensor], op: str,
+                              norm_weight: Optional[torch.Tensor], eps: float, eps_tensor: Optional[torch.Tensor],
+                              weight: torch.Tensor, start: int, first: bool) -> None:
+    return None
+
+
+@torch.library.custom_op("compile_pass::project_scaled_into_", mutates_args=("acc",), tags=_TAGS)
+def project_scaled_into_(acc: torch.Tensor, a: torch.Tensor, b: Optional[torch.Tensor], op: str,
+                         norm_weight: Optional[torch.Tensor], weight: torch.Tensor, start: int,
+                         first: bool) -> None:
+    """``acc (+)= (src * norm_weight[start:start+h]) @ weight[:, start:start+h].T``: a capture's
+    term under a norm over the whole concat, before that norm's per-token scale
+    (``rms_scale_`` applies it once, from ``sum_squares_into_``'s sums)."""
+    src = _source(a, b, op)
+    if norm_weight is not None:
+        src = src * norm_weight.narrow(0, start, src.shape[-1])
+    project_into_(acc, src, weight, start, first)
+
+
+@project_scaled_into_.register_fake
+def _project_scaled_into_fake(acc: torch.Tensor, a: torch.Tensor, b: Optional[torch.Tensor], op: str,
+                              norm_weight: Optional[torch.Tensor], weight: torch.Tensor, start: int,
+                              first: bool) -> None:
+    return None
+
+
+@torch.library.custom_op("compile_pass::sum_squares_into_", mutates_args=("sumsq",), tags=_TAGS)
+def sum_squares_into_(sumsq: torch.Tensor, a: torch.Tensor, b: Optional[torch.Tensor], op: str,
+                      first: bool) -> None:
+    """``sumsq (+)= sum(src**2, -1, keepdim)`` in fp32 (``sumsq``: fp32 ``[*lead, 1]``): the
+    capture's share of a norm over the whole concat, taken when the capture is made (a
+    later in-place write into the capture's inputs cannot reach it)."""
+    square = torch.linalg.vector_norm(_source(a, b, op), 2, dim=-1, keepdim=True, dtype=torch.float32).square_()
+    if first:
+        sumsq.copy_(square)
+    else:
+        sumsq.add_(square)
+
+
+@sum_squares_into_.register_fake
+def _sum_squares_into_fake(sumsq: torch.Tensor, a: torch.Tensor, b: Optional[torch.Tensor], op: str,
+                           first: bool) -> None:
+    return None
+
+
+@torch.library.custom_op("compile_pass::rms_scale_", mutates_args=("acc",), tags=_TAGS)
+def rms_scale_(acc: torch.Tensor, sumsq: torch.Tensor, width: int, eps: float,
+               eps_tensor: Optional[torch.Tensor]) -> None:
+    """``acc *= rsqrt(sumsq / width + eps)``: the per-token scale of a norm over the whole
+    ``width``-wide concat, once, after every capture's term (``eps_tensor``: as in
+    ``project_normed_into_``)."""
+    scale = torch.rsqrt(sumsq / width + (eps_tensor if eps_tensor is not None else eps))
+    acc.mul_(scale if acc.dtype == torch.float32 else scale.to(acc.dtype))
+
+
+@rms_scale_.register_fake
+def _rms_scale_fake(acc: torch.Tensor, sumsq: torch.Tensor, width: int, eps: float,
+                    eps_tensor: Optional[torch.Tensor]) -> None:
+    return None
+
+
 #: each op the rewrite emits -> the argument it mutates (``reinplace.py`` undoes their
 #: functionalization where that is exact)
 MUTATED_ARG = {write_slice_._opoverload: "buf", binary_into_slice_._opoverload: "buf",
                project_into_._opoverload: "acc", project_binary_into_._opoverload: "acc",
-               bias_into_._opoverload: "acc"}
+               bias_into_._opoverload: "acc", project_normed_into_._opoverload: "acc",
+               project_scaled_into_._opoverload: "acc", sum_squares_into_._opoverload: "sumsq",
+               rms_scale_._opoverload: "acc"}

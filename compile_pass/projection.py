@@ -26,17 +26,10 @@ from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
+from compile_pass.ops import rms_norm  # the one definition the eager path and the pass's ops share
 from compile_pass.packer import AuxCaptureError
 
 __all__ = ["RMSNormSpec", "DraftProjection", "ProjectingAccumulator", "rms_norm"]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as vLLM's and SGLang's ``forward_native`` compute it: in fp32, cast back to
-    ``x``'s dtype, then times ``weight``."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.to(x.dtype) * weight
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from compile_pass.projection import DraftProjection, ProjectingAccumulator, rms_
 from models import engine
 from models.engine import EngineConfig, EngineDecoder
 
-__all__ = ["COMBINES", "CAPTURES", "FACTORY_NAMES", "DraftCombine", "TargetWithDraftInput", "tiny", "tp_rank"]
+__all__ = ["COMBINES", "CAPTURES", "FACTORY_NAMES", "DraftCombine", "TargetWithDraftInput", "tiny",
+           "tiny_norm_before_fc", "tiny_fc_norms", "tp_rank"]
 
 COMBINES = ("plain", "norm_before_fc", "fc_norms", "dflash")
 CAPTURES = ("none", "list", "packer", "projected")
@@ -106,7 +107,7 @@ class TargetWithDraftInput(nn.Module):
         return hidden, (self.combine(packed) if packed is not None else None)
 
 
-FACTORY_NAMES = ("tiny", "tp_rank")
+FACTORY_NAMES = ("tiny", "tiny_norm_before_fc", "tiny_fc_norms", "tp_rank")
 
 
 def tiny(tokens: int = 32, k: int = 3, combine: str = "plain", dtype: torch.dtype = torch.float32,
@@ -118,6 +119,17 @@ def tiny(tokens: int = 32, k: int = 3, combine: str = "plain", dtype: torch.dtyp
     torch.manual_seed(0)
     model = TargetWithDraftInput(cfg, combine, capture, int(cfg.hidden_size * 0.75), dtype=dtype).eval()
     return model, engine.example_inputs(cfg, tokens)
+
+
+def tiny_norm_before_fc(tokens: int = 32) -> Tuple[TargetWithDraftInput, Tuple[torch.Tensor, torch.Tensor]]:
+    """``tiny`` with Eagle3's RMSNorm over the concat before ``fc``:
+    ``python -m compile_pass diff models.draft_input:tiny_norm_before_fc --fuse-projection``."""
+    return tiny(tokens, combine="norm_before_fc")
+
+
+def tiny_fc_norms(tokens: int = 32) -> Tuple[TargetWithDraftInput, Tuple[torch.Tensor, torch.Tensor]]:
+    """``tiny`` with one RMSNorm per capture before ``fc`` (vLLM's ``fc_norm``)."""
+    return tiny(tokens, combine="fc_norms")
 
 
 def tp_rank(tokens: int = 2048, k: int = 3, combine: str = "plain", dtype: torch.dtype = torch.bfloat16,

@@ -94,7 +94,8 @@ def _projection_row(combine, k, execution, dtype="bfloat16", **overheads):
     row = {"combine": combine, "K": k, "dtype": dtype, "execution": execution}
     for i, name in enumerate(names):
         row[f"overhead_{name}"] = overheads.get(name, 1.0 + i)
-        row[f"rel_err_{name}"] = 0.004 if name == "projected" else 0.0
+        row[f"rel_err_{name}"] = 0.004 if name in ("projected", "fused") else 0.0
+        row[f"abs_err_{name}"] = 0.03 * k if name in ("projected", "fused") else 0.0
         row[f"model_equal_{name}"] = True
     return row
 
@@ -107,7 +108,10 @@ def test_projection_table_one_row_per_combine_and_k_one_column_per_execution():
                         "eager: list / pass / fused / projected |")
     assert "| plain | 3 | 1.00 / 2.00 / 0.25 | 1.00 / 2.00 / 3.00 / 4.00 |" in table
     assert "| dflash | 8 | - | 1.00 / 2.00 / 0.12 / 4.00 |" in table  # 0.125 rounds half to even
-    assert len([line for line in table if line.startswith("| ")]) == 3  # the fp32 row is not in a bf16 table
+    overheads = table[:table.index("")]
+    assert len([line for line in overheads if line.startswith("| ")]) == 3  # the fp32 row is not in a bf16 table
+    assert "| plain | 0.09 | 0.004 | 0.09 | 0.004 |" in table  # abs err 0.03*K, both K=3 rows
+    assert "| dflash | 0.24 | 0.004 | 0.24 | 0.004 |" in table
     assert table[-1].endswith(": True")
     rows[1]["model_equal_pass"] = False
     assert results_table.projection_table(rows, "bfloat16").endswith(": False")

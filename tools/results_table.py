@@ -8,8 +8,8 @@ the benchmark named in the file to change them).
 ``projection``: one row per combine and K, one column per execution (uncompiled: the list
 path / the packer / ``ProjectingAccumulator``; compiled: the list path / the pass / the pass
 with ``fuse_projection`` / the projected collector compiled), each the peak overhead over
-the packed bytes (``benchmarks/projection_memory.py``), then the max relative error of the
-draft's input per combine. ``acceptance``: ``benchmarks/draft_acceptance.py``'s rows.
+the packed bytes (``benchmarks/projection_memory.py``), then the draft input's max abs and
+relative error per combine (eager accumulator and the pass). ``acceptance``: ``benchmarks/draft_acceptance.py``'s rows.
 """
 
 from __future__ import annotations
@@ -45,15 +45,36 @@ def projection_table(rows: List[Dict[str, Any]], dtype: str) -> str:
                 cells.append(" / ".join(f"{match[0][f'overhead_{n}']:.2f}" for n in names))
             if any(cell != "-" for cell in cells[2:]):  # a combine and K measured under some execution
                 lines.append("| " + " | ".join(cells) + " |")
-    errors = {}
-    for r in rows:
-        errors.setdefault(r["combine"], []).append(r["rel_err_projected"])
     lines.append("")
-    lines.append("max |draft input - the list path's| / max |the list path's|, projected per capture: " + "; ".join(
-        f"{c} {min(v):.2g}..{max(v):.2g}" for c, v in errors.items()))
+    lines += error_table(rows)
+    lines.append("")
     equal = all(r[k] for r in rows for k in r if k.startswith("model_equal"))
     lines.append(f"the target's own output bitwise equal to the build without captures in every row: {equal}")
     return "\n".join(lines)
+
+
+def _span(values: List[float]) -> str:
+    return "-" if not values else f"{min(values):.2g}" if min(values) == max(values) else \
+        f"{min(values):.2g}..{max(values):.2g}"
+
+
+def error_table(rows: List[Dict[str, Any]]) -> List[str]:
+    """The draft input's error against the list path's (cat, then the combine), per combine:
+    max abs and max relative (abs / max |list path's|), over K and executions, for the eager
+    ``ProjectingAccumulator`` (``projected``) and the pass (``fused``, compiled rows)."""
+    head = ["combine", "projected: max abs", "projected: max rel", "the pass (fused): max abs",
+            "the pass (fused): max rel"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for combine in COMBINES:
+        mine = [r for r in rows if r["combine"] == combine]
+        if not mine:
+            continue
+        cells = [combine]
+        for name in ("projected", "fused"):
+            for kind in ("abs_err", "rel_err"):
+                cells.append(_span([r[f"{kind}_{name}"] for r in mine if f"{kind}_{name}" in r]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def acceptance_table(rows: List[Dict[str, Any]]) -> str:
