@@ -185,13 +185,14 @@ fuzz: $(VENV)/.installed-test
 # properties to $OUT/preflight.json; no usable CUDA device: a loud failure, exit 2, nothing
 # else runs), the gpu tests (a skip fails, each test under GPU_TEST_TIMEOUT_S with its
 # traceback on a hang, junit XML kept) and the GPU memory benchmark (a row that fails is
-# recorded and the next runs; no row starts that its estimated cost cannot finish), each
+# recorded and the next runs; no row starts that its estimated cost cannot finish), the
+# per-capture projection rows (benchmarks/projection_memory.py, bf16, K=3 and 8), each
 # in a subprocess with a time limit (SIGINT, then SIGKILL after GPU_KILL_GRACE_S), all
 # within GPU_TIMEOUT_S; $OUT/gpu_check_summary.json says what each step did. OUT defaults
 # to bench-results. `timeout` below is a last resort if the script itself hangs.
 # gpu-dry-run: the same flow on CPU (tiny benchmark, gpu tests skip), e.g.
 # `make gpu-dry-run PY=.venv/bin/python`.
-GPU_TIMEOUT_S       ?= 470
+GPU_TIMEOUT_S       ?= 540
 GPU_TESTS_TIMEOUT_S ?= 180
 GPU_TEST_TIMEOUT_S  ?= 90
 GPU_KILL_GRACE_S    ?= 20

@@ -27,6 +27,10 @@ next one runs, and ``DIR/gpu_check_summary.json`` is rewritten after every step:
    the step's time limit less a margin, so it starts no row it cannot finish. On CPU it
    runs the tiny configuration (``DRY_RUN_BENCH_ARGS``); arguments after ``--`` are added
    (later ones win).
+4. ``projection``: ``benchmarks/projection_memory.py`` (``DIR/projection_memory.json``,
+   ``PROJECTION_ARGS``: bf16, K=3 and 8, plain fc and Eagle3's norm before fc, uncompiled
+   and Inductor; on CPU one small row), ``--projection-timeout-s``; the bench step leaves it
+   that time. No CUDA graphs here.
 
 A step past its limit gets SIGINT (pytest then writes its junit XML, the benchmark its
 JSON), and SIGKILL ``--kill-grace-s`` later; each step's process group gets the signals.
@@ -54,8 +58,15 @@ import xml.etree.ElementTree as ElementTree
 from typing import Any, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("preflight", "tests", "bench")
+STEPS = ("preflight", "tests", "bench", "projection")
 SUMMARY = "gpu_check_summary.json"
+#: ``benchmarks/projection_memory.py``'s arguments: bf16, K=3 and 8, the plain fc and Eagle3's
+#: norm before fc, uncompiled and under Inductor (list / packer or pass / fused / projected)
+PROJECTION_ARGS = ["--dtypes", "bfloat16", "--ks", "3,8", "--combines", "plain,norm_before_fc",
+                   "--inners", "module,inductor", "--tokens", "4096", "--scale", "8", "--layers", "12"]
+#: and on CPU, for the dry run: one small row
+DRY_RUN_PROJECTION_ARGS = ["--dtypes", "float32", "--ks", "3", "--combines", "norm_before_fc",
+                           "--inners", "module,eager", "--tokens", "64", "--scale", "64", "--layers", "4"]
 #: the benchmark's arguments for the CPU dry run: the tiny model, a few token counts
 DRY_RUN_BENCH_ARGS = ["--config", "tiny", "--layers", "3", "--tokens", "64,128",
                       "--runner-tokens", "32,64,128", "--dtype", "float32"]
@@ -342,7 +353,8 @@ class Check:
         return record
 
     def step_bench(self) -> Dict[str, Any]:
-        limit = self.limit(self.args.bench_timeout_s)
+        later = self.args.projection_timeout_s if "projection" in self.args.steps else 0.0
+        limit = max(MIN_STEP_S, self.limit(self.args.bench_timeout_s) - later)
         budget = max(1.0, limit - max(10.0, 0.1 * limit))
         out = os.path.join(self.out, "gpu_capture_memory.json")
         if os.path.exists(out):
@@ -355,6 +367,20 @@ class Check:
         record = self.run_step("bench", cmd, limit, self.env(), "gpu_capture_memory.log")
         record["budget_s"] = round(budget)
         record["rows"] = _bench_counts(out)
+        return record
+
+    def step_projection(self) -> Dict[str, Any]:
+        out = os.path.join(self.out, "projection_memory.json")
+        if os.path.exists(out):
+            os.remove(out)
+        cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "projection_memory.py"),
+               "--device", self.args.device, "--out", out]
+        cmd += DRY_RUN_PROJECTION_ARGS if self.args.device == "cpu" else PROJECTION_ARGS
+        record = self.run_step("projection", cmd, self.limit(self.args.projection_timeout_s), self.env(),
+                               "projection_memory.log")
+        if os.path.exists(out):
+            with open(out) as f:
+                record["rows"] = {"rows": len(json.load(f).get("rows", []))}
         return record
 
     def run(self) -> int:
@@ -373,7 +399,7 @@ class Check:
                                               "not_run": f"stopped by signal {self.stop_signal}"})
                 continue
             timeout = {"preflight": self.args.preflight_timeout_s, "tests": self.args.tests_timeout_s,
-                       "bench": self.args.bench_timeout_s}[name]
+                       "bench": self.args.bench_timeout_s, "projection": self.args.projection_timeout_s}[name]
             if self.limit(timeout) < MIN_STEP_S:
                 self.summary["steps"].append({"name": name, "rc": None,
                                               "not_run": "no time left in --timeout-s"})
@@ -461,13 +487,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="folder for every result (default: $OUT, else bench-results)")
     parser.add_argument("--steps", default=",".join(STEPS),
                         help=f"comma list, in this order: {', '.join(STEPS)}")
-    parser.add_argument("--timeout-s", type=float, default=470.0, help="the whole check")
+    parser.add_argument("--timeout-s", type=float, default=540.0, help="the whole check")
     parser.add_argument("--preflight-timeout-s", type=float, default=120.0)
     parser.add_argument("--tests-timeout-s", type=float, default=180.0)
     parser.add_argument("--test-timeout-s", type=float, default=90.0,
                         help="each test (COMPILE_PASS_TEST_TIMEOUT_S); 0: none")
     parser.add_argument("--bench-timeout-s", type=float, default=600.0,
                         help="the benchmark (also bounded by what --timeout-s leaves)")
+    parser.add_argument("--projection-timeout-s", type=float, default=120.0,
+                        help="the per-capture projection rows (benchmarks/projection_memory.py)")
     parser.add_argument("--kill-grace-s", type=float, default=20.0,
                         help="seconds from a step's SIGINT to its SIGKILL")
     parser.add_argument("--tests", nargs="+", default=["tests"], help="pytest paths or node ids")
@@ -481,7 +509,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     unknown = sorted(set(args.steps) - set(STEPS))
     if unknown:
         parser.error(f"unknown steps {unknown}; choose from {', '.join(STEPS)}")
-    for name in ("timeout_s", "preflight_timeout_s", "tests_timeout_s", "bench_timeout_s", "kill_grace_s"):
+    for name in ("timeout_s", "preflight_timeout_s", "tests_timeout_s", "bench_timeout_s", "projection_timeout_s",
+                 "kill_grace_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name[:-2].replace('_', '-')}-s must be > 0")
     if args.test_timeout_s < 0:

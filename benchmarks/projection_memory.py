@@ -52,6 +52,7 @@ COMPILED_VARIANTS = (("list", "list", {"rewrite": False}), ("pass", "list", {}),
 def run_row(cfg, combine, capture, dtype, draft_hidden, inner, inputs, state, options=None):
     model = TargetWithDraftInput(cfg, combine, capture, draft_hidden, dtype=dtype).eval()
     model.load_state_dict(state)
+    model.to(inputs[0].device)
     fn = model if inner == "module" else torch.compile(
         model, backend=aux_capture_backend(inner, **(options or {})), dynamic=False)
     with torch.no_grad():
@@ -61,11 +62,12 @@ def run_row(cfg, combine, capture, dtype, draft_hidden, inner, inputs, state, op
     return peak
 
 
-def gemm_time_ratio(cfg, draft_hidden, dtype, tokens, repeats=5):
+def gemm_time_ratio(cfg, draft_hidden, dtype, tokens, repeats=5, device="cpu"):
     """Wall time of K GEMMs [T, H] x [H, H_draft] summed in place against one [T, K*H] GEMM."""
     k, h = len(cfg.layers_to_capture), cfg.hidden_size
-    xs = [torch.randn(tokens, h, dtype=dtype) for _ in range(k)]
-    w = torch.randn(draft_hidden, k * h, dtype=dtype)
+    xs = [torch.randn(tokens, h, dtype=dtype, device=device) for _ in range(k)]
+    w = torch.randn(draft_hidden, k * h, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     packed = torch.cat(xs, -1)
 
     def one():
@@ -82,8 +84,10 @@ def gemm_time_ratio(cfg, draft_hidden, dtype, tokens, repeats=5):
         fn()
         best = float("inf")
         for _ in range(repeats):
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             best = min(best, time.perf_counter() - start)
         times[name] = best
     return times["per_capture"] / times["one"]
@@ -99,6 +103,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--scale", type=int, default=8)
     ap.add_argument("--draft-ratio", type=float, default=0.75)
+    ap.add_argument("--device", default="cpu", help="cpu (peaks from the profiler) or cuda (max_memory_allocated)")
     ap.add_argument("--out")
     args = ap.parse_args()
     rows = []
@@ -107,9 +112,9 @@ def main() -> None:
         for k in (int(x) for x in args.ks.split(",")):
             cfg = config(k, args.layers, args.scale)
             draft_hidden = int(cfg.hidden_size * args.draft_ratio)
-            inputs = engine.example_inputs(cfg, args.tokens)
+            inputs = engine.example_inputs(cfg, args.tokens, device=args.device)
             packed = args.tokens * k * cfg.hidden_size * torch.tensor([], dtype=dtype).element_size()
-            ratio = gemm_time_ratio(cfg, draft_hidden, dtype, args.tokens)
+            ratio = gemm_time_ratio(cfg, draft_hidden, dtype, args.tokens, device=args.device)
             for combine in args.combines.split(","):
                 torch.manual_seed(0)
                 state = TargetWithDraftInput(cfg, combine, "list", draft_hidden, dtype=dtype).state_dict()
@@ -120,7 +125,8 @@ def main() -> None:
                         peaks[name] = run_row(cfg, combine, capture, dtype, draft_hidden, inner, inputs, state,
                                               options)
                     ref = peaks["list"].result[1].float()
-                    row = {"combine": combine, "K": k, "hidden": cfg.hidden_size, "draft_hidden": draft_hidden,
+                    row = {"device": args.device, "combine": combine, "K": k, "hidden": cfg.hidden_size,
+                           "draft_hidden": draft_hidden,
                            "dtype": dtype_name, "tokens": args.tokens, "execution": inner,
                            "packed_mib": round(packed / 2**20, 2), "gemm_time_ratio": round(ratio, 2)}
                     for name, _, _ in variants:

@@ -139,7 +139,8 @@ def test_dry_run_from_a_clean_copy(clean_copy, tmp_path):
                       cwd=clean_copy)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
     summary = _load(out / "gpu_check_summary.json")
-    assert summary["rc"] == 0 and [s["name"] for s in summary["steps"]] == ["preflight", "tests", "bench"]
+    assert summary["rc"] == 0 and [s["name"] for s in summary["steps"]] == ["preflight", "tests", "bench",
+                                                                             "projection"]
     assert all(s["rc"] == 0 and not s["timed_out"] for s in summary["steps"]), summary
 
     preflight = _load(out / "preflight.json")
@@ -167,6 +168,13 @@ def test_dry_run_from_a_clean_copy(clean_copy, tmp_path):
     assert {r["captured_tokens"] == [16, 32] for r in runner} == {True}
     assert any(r["padded_tokens"] != r["tokens"] for r in runner)
     assert _step(summary, "bench")["rows"]["rows"] == len(rows) == 8
+
+    projection = _load(out / "projection_memory.json")["rows"]  # one small row per execution
+    assert [r["execution"] for r in projection] == ["module", "eager"] and _step(summary, "projection")["rows"]
+    for r in projection:
+        assert r["device"] == "cpu" and r["overhead_projected"] < r["overhead_list"]
+        assert all(r[k] for k in r if k.startswith("model_equal"))
+    assert projection[1]["overhead_fused"] < projection[1]["overhead_list"]
 
 
 def test_gpu_check_does_not_need_the_backend_name():
@@ -280,7 +288,7 @@ def test_preflight_without_cuda_fails_loudly(tmp_path):
     assert not preflight["usable"] and "torch.cuda.is_available() is False" in preflight["problems"][0]
     summary = _load(out / "gpu_check_summary.json")
     assert summary["rc"] == 2
-    assert [s.get("not_run") for s in summary["steps"][1:]] == ["the preflight failed (preflight.json)"] * 2
+    assert [s.get("not_run") for s in summary["steps"][1:]] == ["the preflight failed (preflight.json)"] * 3  # tests, bench, projection
     assert not (out / "gpu_tests.xml").exists()
 
 
