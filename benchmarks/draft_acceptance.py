@@ -6,8 +6,8 @@ held-out prompts with its input projected both ways.
 
 Target: a random causal LM (vocab 512, hidden 256, 8 layers of RMSNorm + causal attention +
 MLP, residual stream), capturing ``hidden + residual`` at Eagle3's layers (2, L//2, L-3).
-Draft (Eagle3's shape, smaller): ``fc`` over the K=3 captures (``--combine``: ``plain`` or
-``norm_before_fc``) -> with the embedding of the next token, one MLP block -> the target's
+Draft (Eagle3's shape, smaller): ``fc`` over the K=3 captures (``--combines``: ``plain``,
+``norm_before_fc``, ``fc_norms``) -> with the embedding of the next token, one MLP block -> the target's
 ``lm_head``; trained with teacher forcing to predict the target's next greedy token. At
 evaluation each draft runs ``--gamma`` steps from each position (later steps read the draft's
 own features, as Eagle does), fp32 and bf16, its first input computed
@@ -17,7 +17,9 @@ own features, as Eagle does), fp32 and bf16, its first input computed
 
 Reported per dtype: the draft's greedy proposals agreeing between the two (first token, and
 every token of the gamma-token proposal), the mean accepted length against the target's
-greedy tokens for each, and the max relative difference of the draft inputs.
+greedy tokens for each, the max abs and relative difference of the draft inputs, and the same
+relative difference and first-token agreement with the accumulator kept in fp32
+(``accumulate_dtype=torch.float32``) instead of the captures' dtype (the default).
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class Draft(nn.Module):
         k = len(CAPTURE)
         self.fc = nn.Linear(k * H, H, bias=combine == "plain")
         self.norm_before_fc = nn.Parameter(torch.ones(k * H)) if combine == "norm_before_fc" else None
+        self.fc_norms = nn.ParameterList(nn.Parameter(torch.ones(H)) for _ in range(k)) \
+            if combine == "fc_norms" else None
         self.inp = nn.Linear(2 * H, H, bias=False)
         self.up = nn.Linear(H, 2 * H, bias=False)
         self.down = nn.Linear(2 * H, H, bias=False)
@@ -92,11 +96,15 @@ class Draft(nn.Module):
         x = torch.cat(aux, -1)
         if self.norm_before_fc is not None:
             x = rms_norm(x, self.norm_before_fc, 1e-6)
+        elif self.fc_norms is not None:
+            x = torch.cat([rms_norm(c, w, 1e-6) for c, w in zip(x.split(H, -1), self.fc_norms)], -1)
         return self.fc(x)
 
-    def project_per_capture(self, aux):
+    def project_per_capture(self, aux, accumulate_dtype=None):
         acc = ProjectingAccumulator(len(aux), self.fc.weight.detach(), fc_bias=self.fc.bias,
-                                    norm_before_fc=self.norm_before_fc, eps=1e-6)
+                                    norm_before_fc=self.norm_before_fc,
+                                    fc_norms=list(self.fc_norms) if self.fc_norms is not None else None,
+                                    eps=1e-6, accumulate_dtype=accumulate_dtype)
         for a in aux:
             acc.append(a)
         return acc.finalize()
@@ -158,7 +166,7 @@ def accepted_length(proposals: torch.Tensor, truth: torch.Tensor, gamma: int) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--combines", default="plain,norm_before_fc")
+    ap.add_argument("--combines", default="plain,norm_before_fc,fc_norms")
     ap.add_argument("--train-sequences", type=int, default=256)
     ap.add_argument("--eval-sequences", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
@@ -185,11 +193,16 @@ def main() -> None:
                 aux = [a[:, :-1] for a in aux]
                 f_cat = d.project_cat(aux)
                 f_per = d.project_per_capture(aux)
+                f_fp32 = d.project_per_capture(aux, accumulate_dtype=torch.float32)  # the other default
             p_cat = propose(t, d, f_cat, held_out, args.gamma)
             p_per = propose(t, d, f_per, held_out, args.gamma)
+            p_fp32 = propose(t, d, f_fp32, held_out, args.gamma)
+            scale = float(f_cat.float().abs().max())
             row = {"combine": combine, "dtype": str(dtype).replace("torch.", ""), "train_loss": round(loss, 3),
-                   "draft_input_max_rel_diff": float((f_per.float() - f_cat.float()).abs().max()
-                                                     / f_cat.float().abs().max()),
+                   "draft_input_max_abs_diff": float((f_per.float() - f_cat.float()).abs().max()),
+                   "draft_input_max_rel_diff": float((f_per.float() - f_cat.float()).abs().max()) / scale,
+                   "fp32_accumulate_max_rel_diff": float((f_fp32.float() - f_cat.float()).abs().max()) / scale,
+                   "fp32_accumulate_first_token_agreement": float((p_cat[..., 0] == p_fp32[..., 0]).float().mean()),
                    "first_token_agreement": float((p_cat[..., 0] == p_per[..., 0]).float().mean()),
                    "all_tokens_agreement": float((p_cat == p_per).all(-1).float().mean()),
                    "accepted_length_cat": round(accepted_length(p_cat, held_out, args.gamma), 4),

@@ -115,3 +115,13 @@ def test_projection_table_one_row_per_combine_and_k_one_column_per_execution():
     assert table[-1].endswith(": True")
     rows[1]["model_equal_pass"] = False
     assert results_table.projection_table(rows, "bfloat16").endswith(": False")
+
+
+def test_acceptance_table_shows_the_fp32_accumulator_where_it_was_measured():
+    row = {"combine": "plain", "dtype": "bfloat16", "draft_input_max_rel_diff": 0.0043, "first_token_agreement": 0.99,
+           "all_tokens_agreement": 0.94, "accepted_length_cat": 0.28, "accepted_length_per_capture": 0.28}
+    measured = dict(row, draft_input_max_abs_diff=0.031, fp32_accumulate_max_rel_diff=0.004,
+                    fp32_accumulate_first_token_agreement=0.995)
+    lines = results_table.acceptance_table([row, measured]).splitlines()
+    assert lines[2].endswith("| 0.2800 | 0.2800 | - |") and "| 0.0043 |" in lines[2]
+    assert lines[3].endswith("| 0.004 / 99.50% |") and "| 0.031 / 0.0043 |" in lines[3]

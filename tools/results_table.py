@@ -78,13 +78,16 @@ def error_table(rows: List[Dict[str, Any]]) -> List[str]:
 
 
 def acceptance_table(rows: List[Dict[str, Any]]) -> str:
-    head = ["combine", "dtype", "draft input max rel diff", "first token agrees", "all gamma tokens agree",
-            "accepted length: cat", "accepted length: per capture"]
+    head = ["combine", "dtype", "draft input max abs / rel diff", "first token agrees", "all gamma tokens agree",
+            "accepted length: cat", "accepted length: per capture", "fp32 accumulator: rel diff / first token"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append(f"| {r['combine']} | {r['dtype']} | {r['draft_input_max_rel_diff']:.2g} | "
+        fp32 = (f"{r['fp32_accumulate_max_rel_diff']:.2g} / {r['fp32_accumulate_first_token_agreement']:.2%}"
+                if "fp32_accumulate_max_rel_diff" in r else "-")
+        absolute = f"{r['draft_input_max_abs_diff']:.2g} / " if "draft_input_max_abs_diff" in r else ""
+        lines.append(f"| {r['combine']} | {r['dtype']} | {absolute}{r['draft_input_max_rel_diff']:.2g} | "
                      f"{r['first_token_agreement']:.2%} | {r['all_tokens_agreement']:.2%} | "
-                     f"{r['accepted_length_cat']:.4f} | {r['accepted_length_per_capture']:.4f} |")
+                     f"{r['accepted_length_cat']:.4f} | {r['accepted_length_per_capture']:.4f} | {fp32} |")
     return "\n".join(lines)
 
 
