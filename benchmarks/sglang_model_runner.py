@@ -8,12 +8,15 @@ NotImplementedError when called, created below; the Llama path on the CPU calls 
 
     K=12 python benchmarks/sglang_model_runner.py [out.json]     # env: K, NREQ, LEN, LAYERS
 
-ARCH=llama|qwen2_moe|gemma3 picks the class (gemma3: a plain-list model, its list adopted);
+ARCH=llama|qwen2_moe|qwen3|gemma3 picks the class (gemma3: a plain-list model, its list adopted);
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM set its widths (default 256 / 256 / 4 / HEADS / 64).
 SETTER=dflash sets the capture layers as SGLang's DFlash path does (the model's
 ``set_dflash_layers_to_capture``, K target layers spread over the depth); default: layers 1..K
 set on the inner model directly.
 NORM=fused runs SGLang's RMSNorm-with-residual in place (a stand-in for its fused kernel).
+PROJECT=plain|norm_before_fc|fc_norms (DRAFT_HIDDEN, default HIDDEN): the plugin's
+COMPILE_PASS_SGLANG_PROJECT opt-in with an Eagle3 draft of that combine registered; one more
+extend, its stored draft input ([T, H_draft]) against the draft's own cat-then-project.
 One tensor-parallel rank's proportions (Llama 3.1 70B at TP=8: attention and MLP widths cut by
 8, hidden not): HIDDEN=1024 HEADS=2 KV_HEADS=1 INTER=448.
 
@@ -27,6 +30,8 @@ attention backend, whose kernels are ``sgl_kernel``'s CPU build; ``torch_native`
 """
 import os, sys, tempfile
 os.environ["SGLANG_USE_CPU_ENGINE"]="1"
+if os.environ.get("PROJECT"):  # the plugin's opt-in, read when it is enabled below
+    os.environ["COMPILE_PASS_SGLANG_PROJECT"] = "1"
 import _sgl_kernel_stub  # benchmarks/, on sys.path as the script's folder
 _sgl_kernel_stub.install()
 import torch
@@ -44,6 +49,9 @@ if os.environ.get("ARCH", "llama") == "qwen2_moe":  # ARCH=qwen2_moe: a tiny ran
     _cfg.update({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_experts": 4,
                  "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 0,
                  "decoder_sparse_step": 1, "norm_topk_prob": False, "mlp_only_layers": [], "use_sliding_window": False})
+if os.environ.get("ARCH", "llama") == "qwen3":  # ARCH=qwen3: Qwen3's q/k norms, no attention bias
+    _cfg.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+                 "rms_norm_eps": 1e-6, "max_window_layers": _cfg["num_hidden_layers"], "use_sliding_window": False})
 if os.environ.get("ARCH", "llama") == "gemma3":  # ARCH=gemma3: a plain-list model (list adopted)
     _nl = _cfg["num_hidden_layers"]
     _cfg.update({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 64,
@@ -189,6 +197,46 @@ if os.environ.get("COMPILE", "0") == "1":
     sys.exit(0)
 print("enable", plugin.enable())
 on, o2 = run(); h_on = o2.hidden_states
+if os.environ.get("PROJECT"):
+    # PROJECT=plain|norm_before_fc|fc_norms: an Eagle3 draft shaped like SGLang's
+    # llama_eagle3.LlamaModel (fc, num_aux_hidden_states, input_norm / fc_norm) handed to the
+    # plugin as its draft-loading hook hands a loaded draft; the same extend once more
+    from compile_pass.integrations import sglang_projection
+    from compile_pass.ops import rms_norm as _rms
+    from sglang.srt.layers.layernorm import RMSNorm as _Norm
+    PROJECT, _H = os.environ["PROJECT"], _cfg["hidden_size"]
+    _HD = _env("DRAFT_HIDDEN", _H)
+    class _Eagle3Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(1)
+            self.num_aux_hidden_states = K
+            self.fc = torch.nn.Linear(K * _H, _HD, bias=False)
+            self.input_norm = _Norm(K * _H, eps=1e-5) if PROJECT == "norm_before_fc" else None
+            self.fc_norm = torch.nn.ModuleList(_Norm(_H, eps=1e-5) for _ in range(K)) if PROJECT == "fc_norms" else None
+            with torch.no_grad():
+                self.fc.weight.copy_(torch.randn(_HD, K * _H, generator=g) * (K * _H) ** -0.5)
+                for n_ in [self.input_norm, *(self.fc_norm or [])]:
+                    if n_ is not None:
+                        n_.weight.copy_(1 + 0.1 * torch.randn(n_.weight.shape, generator=g))
+    _draft = torch.nn.Module(); _draft.model = _Eagle3Inner()
+    print("draft registered", sglang_projection.register_draft(_draft))
+    proj, o3 = run()
+    _inner = _draft.model
+    with torch.no_grad():  # what the draft computes from the list path's packed captures
+        _x = h_off
+        if _inner.input_norm is not None:
+            _x = _rms(_x, _inner.input_norm.weight, 1e-5)
+        if _inner.fc_norm is not None:
+            _x = torch.cat([_rms(c, n_.weight, 1e-5) for c, n_ in zip(_x.split(_H, -1), _inner.fc_norm)], -1)
+        _ref = _inner.fc(_x)
+    _got = o3.hidden_states
+    projected = {"combine": PROJECT, "draft_hidden": _HD, "peak_projected": proj,
+                 "overhead_projected": round((proj - base) / packed, 3),
+                 "stored_shape": list(_got.shape), "projected_forwards": plugin.STATE["projected"],
+                 "max_abs_vs_cat_then_project": float((_got - _ref).abs().max()),
+                 "max_rel_vs_cat_then_project": float((_got - _ref).abs().max() / _ref.abs().max()),
+                 "logits_equal_no_capture_projected": bool(torch.equal(o0.next_token_logits, o3.next_token_logits))}
 res = ({"K": K, "layers": _cfg["num_hidden_layers"], "model": _cfg["architectures"][0], "tokens": NREQ * L, "overhead_off": round((off - base) / packed, 3),
   "overhead_on": round((on - base) / packed, 3), "peak_base": base, "peak_off": off, "peak_on": on,
   "packed_bytes": packed, "adopted": plugin.STATE["adopted"], "bitwise": bool(torch.equal(h_off, h_on)),
@@ -197,6 +245,8 @@ res = ({"K": K, "layers": _cfg["num_hidden_layers"], "model": _cfg["architecture
   "hidden": _cfg["hidden_size"], "norm": os.environ.get("NORM", "native"),
   "packed_views": plugin.STATE["packed"], "fallbacks": plugin.STATE["fallbacks"], "setter": SETTER,
   "capture_layers": list(m.model.layers_to_capture)})
+if os.environ.get("PROJECT"):
+    res.update(projected)
 print(json.dumps(res))
 if len(sys.argv) > 1:
     open(sys.argv[1], "w").write(json.dumps(res, indent=1) + "\n")

@@ -72,3 +72,28 @@ def test_enable_torch_compile_forward_plugin_on_equals_off(tmp_path):
     assert set(res["plugin_inductor"]) == {"post_grad_custom_pre_pass", "post_grad_custom_post_pass",
                                            "joint_custom_pre_pass"}
     assert res["aux_capture"].get("groups_found", 0) >= 1, res  # the pass ran inside SGLang's compile
+
+
+#: case: (benchmark environment, model class) for COMPILE_PASS_SGLANG_PROJECT
+PROJECT_CASES = {
+    "llama_tp_rank_fused_norm_before_fc_k8": (dict(NORM="fused", K="8", PROJECT="norm_before_fc", DRAFT_HIDDEN="768",
+                                                   **TP_RANK), "LlamaForCausalLM"),
+    "qwen3_fc_norms_k3": (dict(ARCH="qwen3", K="3", LAYERS="8", NREQ="2", LEN="256", PROJECT="fc_norms"),
+                          "Qwen3ForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("case", list(PROJECT_CASES))
+def test_model_runner_extend_projects_each_capture_for_the_draft(tmp_path, case):
+    """COMPILE_PASS_SGLANG_PROJECT=1 with an Eagle3 draft registered: the logits processor
+    stores the draft's input [T, H_draft], projected as each capture was made, within
+    rounding of the draft's own cat-then-project of the list path's captures; the target's
+    logits equal the build without captures; the overhead is below the packer's 1.00."""
+    env, model = PROJECT_CASES[case]
+    res = _bench(tmp_path, **env)
+    tokens, draft_hidden = res["tokens"], int(env.get("DRAFT_HIDDEN", env.get("HIDDEN", 256)))
+    assert res["model"] == model and res["projected_forwards"] == 1, res
+    assert res["stored_shape"] == [tokens, draft_hidden], res
+    assert res["max_rel_vs_cat_then_project"] < 1e-5, res
+    assert res["logits_equal_no_capture_projected"], res
+    assert res["overhead_projected"] < res["overhead_on"] <= 1.01, res

@@ -57,15 +57,16 @@ from typing import Any, Optional
 
 import torch
 
-from compile_pass.integrations import list_adoption
-from compile_pass.integrations.sglang_seams import (AUX_MODULE, COMPILE_CONTEXTS, PACKING_LIST, PLAIN_LIST,
-                                                    RUNNER_FORWARD, layout, layout_problems, probe_sglang)
+from compile_pass.integrations import list_adoption, sglang_projection
+from compile_pass.integrations.sglang_seams import (AUX_MODULE, COMPILE_CONTEXTS, DFLASH_PROJECT, LOGITS_FORWARD,
+                                                    PACKING_LIST, PLAIN_LIST, RUNNER_FORWARD, RUNNER_LOAD, layout,
+                                                    layout_problems, probe_projection, probe_sglang)
 from compile_pass.integrations.sglang_seams import warn as _warn
 from compile_pass.packer import AuxCaptureError, AuxHiddenStatePacker
 from compile_pass.packer import pack_aux_hidden_states as _cp_pack
 
 __all__ = ["register", "enable", "enabled_by_env", "pack_view", "capture_style", "compile_config_patch",
-           "STATE"]
+           "projected_input", "STATE"]
 
 logger = logging.getLogger("compile_pass.sglang")
 
@@ -81,7 +82,7 @@ _num_captures: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
 #: what register() did: ``active``, ``reason`` (why not), originals kept at registration.
 STATE: dict = {"active": False, "reason": "not registered", "layout": None, "orig_list": None,
                "orig_pack": None, "fallbacks": 0, "packed": 0, "adopted": 0, "adoption": None,
-               "inductor": {}}
+               "inductor": {}, "project": False, "projected": 0}
 
 
 def enabled_by_env() -> bool:
@@ -93,6 +94,7 @@ class _PackingMixin:
     slices (adjacent views)."""
 
     _cp_packer: Optional[AuxHiddenStatePacker] = None
+    _cp_acc: Optional[Any] = None  # COMPILE_PASS_SGLANG_PROJECT: the draft's projected input
     _cp_off = False
 
     def _cp_write(self, hidden: torch.Tensor) -> bool:
@@ -110,12 +112,23 @@ class _PackingMixin:
             return False
 
     def _cp_write_slice(self, hidden: torch.Tensor) -> bool:
-        if self._cp_packer is None:
+        if self._cp_packer is None and self._cp_acc is None:
             k = _num_captures.get()
             if k is None or k < 1 or hidden.dim() < 1 or len(self) != 0:
                 self._cp_off = True
                 return False
-            self._cp_packer = AuxHiddenStatePacker(k)
+            if STATE["project"]:
+                self._cp_acc, why = sglang_projection.accumulator_for(k, hidden)
+                if self._cp_acc is None and sglang_projection.registered() is not None:
+                    _warn_once(type(self), "projection", f"{why}: the captures are packed as without "
+                               f"{sglang_projection.ENV_PROJECT}")
+            if self._cp_acc is None:
+                self._cp_packer = AuxHiddenStatePacker(k)
+        if self._cp_acc is not None:
+            # projected now (the term is the snapshot); the list holds a [*, 0] stand-in, no bytes
+            self._cp_acc.append(hidden)
+            super().append(hidden.new_empty((*hidden.shape[:-1], 0)))
+            return True
         try:
             slot = self._cp_packer.slot(hidden)
         except AuxCaptureError as e:
@@ -334,6 +347,62 @@ def _runner_forward(original_fn, self, *args, **kwargs):
         _num_captures.reset(token)
 
 
+def projected_input(aux: Any) -> Optional[torch.Tensor]:
+    """The draft's projected input if ``aux`` is a packing list whose every capture was
+    projected (``COMPILE_PASS_SGLANG_PROJECT``), else None."""
+    acc = getattr(aux, "_cp_acc", None)
+    if acc is None or getattr(aux, "_cp_off", False) or len(acc) != acc.num_captures or len(aux) != len(acc):
+        return None
+    return acc.finalize()
+
+
+def _logits_forward(original_fn, self, *args, **kwargs):
+    """Around ``LogitsProcessor.forward``: a capture list whose captures were projected is
+    handed on as the projected ``[T, H_draft]`` tensor (stored for the draft where the packed
+    captures were; the logits processor slices a tensor by rows as it did the list)."""
+    import inspect
+
+    try:
+        bound = inspect.signature(original_fn).bind(self, *args, **kwargs)
+        projected = projected_input(bound.arguments.get("aux_hidden_states"))
+    except Exception as e:  # noqa: BLE001 - never fail the model's forward
+        _warn_once(type(self), "logits hook", f"reading the capture list failed ({e!r})")
+        projected = None
+    if projected is None:
+        return original_fn(self, *args, **kwargs)
+    bound.arguments["aux_hidden_states"] = projected
+    STATE["projected"] += 1
+    return original_fn(*bound.args, **bound.kwargs)
+
+
+def _runner_load(original_fn, self, *args, **kwargs):
+    """Around ``ModelRunner.load_model``: a draft worker's model hands its input projection
+    over (``sglang_projection.register_draft``; a draft that does not fit is named)."""
+    out = original_fn(self, *args, **kwargs)
+    if getattr(self, "is_draft_worker", False):
+        try:
+            sglang_projection.register_draft(getattr(self, "model", None))
+        except Exception as e:  # noqa: BLE001
+            _warn(f"reading the draft's input projection failed ({e!r}): its input is packed")
+    return out
+
+
+def _register_projection(registry: Any, hook_type: Any) -> None:
+    """``COMPILE_PASS_SGLANG_PROJECT=1``: the projection's hooks, if its seams fit."""
+    probes = probe_projection()
+    problems = [f"{p.seam.name}: {p.state} ({p.detail})" for p in probes if not p.fits]
+    if problems:
+        _warn(f"{sglang_projection.ENV_PROJECT}=1 but {'; '.join(problems)}: the captures are packed")
+        return
+    registry.register(RUNNER_LOAD, _runner_load, hook_type.AROUND)
+    registry.register(LOGITS_FORWARD, _logits_forward, hook_type.AROUND)
+    if any(p.seam.name == DFLASH_PROJECT and p.state == "ok" for p in probes):
+        registry.register(DFLASH_PROJECT, sglang_projection.projected_target_hidden, hook_type.AROUND)
+    STATE["project"] = True
+    logger.info("compile_pass SGLang plugin: the draft's input is projected as each capture is made (%s)",
+                sglang_projection.ENV_PROJECT)
+
+
 def compile_config_patch() -> Optional[Any]:
     """``torch._inductor.config.patch(...)`` holding this project's Inductor pass set for a
     whole-graph compile (``inductor_pass_set(Build.WHOLE_GRAPH)``), each pass chained after
@@ -432,6 +501,10 @@ def enable(*, registry: Any = None, apply: bool = True) -> bool:
     if which == PLAIN_LIST:
         from compile_pass.integrations import sglang_compile
 
+        if sglang_projection.enabled_by_env():
+            _warn(f"{sglang_projection.ENV_PROJECT}=1: the draft-input projection needs SGLang's "
+                  f"AuxHiddenStateList (0.5.23); on this layout the captures are packed")
+
         sglang_compile.register(registry, HookType)
         if apply:
             registry.apply_hooks()
@@ -452,6 +525,8 @@ def enable(*, registry: Any = None, apply: bool = True) -> bool:
     for probe_ in probes:
         if probe_.seam.name in COMPILE_CONTEXTS and probe_.state == "ok":
             registry.register(probe_.seam.name, _compile_scope, HookType.AROUND)
+    if sglang_projection.enabled_by_env():
+        _register_projection(registry, HookType)
     if apply:
         registry.apply_hooks()
     STATE.update(active=True, reason="", layout=PACKING_LIST)

@@ -28,7 +28,7 @@ from compile_pass.integrations.seams import (Patch, Probe, Seam, SeamAbsent, att
 
 __all__ = ["AUX_MODULE", "COMPILE_CONTEXTS", "RUNNER_FORWARD", "LOGITS_STORE", "PIECEWISE_CONTEXT", "PACKING_LIST",
            "PLAIN_LIST", "SEAMS", "TESTED", "is_tested", "layout", "probe_sglang", "sglang_version",
-           "warn"]
+           "warn", "RUNNER_LOAD", "LOGITS_FORWARD", "DFLASH_PROJECT", "PROJECTION_SEAMS", "probe_projection"]
 
 logger = logging.getLogger("compile_pass.sglang")
 
@@ -157,6 +157,45 @@ SEAMS: List[Seam] = [
                            "context, under which the inner model is compiled (plain-list layout)",
          locate=_locate_piecewise_attention, optional=True),
 ]
+
+RUNNER_LOAD = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
+LOGITS_FORWARD = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
+DFLASH_PROJECT = "sglang.srt.models.dflash.DFlashDraftModel.project_target_hidden"
+
+
+def _locate_method(path: str, params: Sequence[str] = ()):
+    """A locator: ``path`` (module.Class.method) exists and takes ``params``."""
+    def locate() -> List[Patch]:
+        module_name, cls_name, method = path.rsplit(".", 2)
+        cls = attribute(import_module(module_name, absent_ok=True), cls_name)
+        fn = getattr(cls, method, None)
+        require(callable(fn), f"{path} is missing")
+        missing = [p for p in params if p not in inspect.signature(fn).parameters]
+        require(not missing, f"{path} takes no {', '.join(missing)}")
+        return []
+
+    return locate
+
+
+#: the seams of the draft-input projection (COMPILE_PASS_SGLANG_PROJECT=1), probed only then
+PROJECTION_SEAMS: List[Seam] = [
+    Seam(RUNNER_LOAD, change="an around-hook: a draft worker's loaded model hands its fc (and norms) over",
+         reason="the draft's weights exist only once its model runner has loaded them",
+         locate=_locate_method(RUNNER_LOAD)),
+    Seam(LOGITS_FORWARD, change="an around-hook: a capture list whose captures were projected is "
+                                "replaced by the projected [T, H_draft] tensor",
+         reason="the logits processor is where the captures leave the target for the draft",
+         locate=_locate_method(LOGITS_FORWARD, ("aux_hidden_states",))),
+    Seam(DFLASH_PROJECT, change="an around-hook: an input already H_draft wide gets hidden_norm alone",
+         reason="the DFlash worker projects the target's captures by calling this method",
+         locate=_locate_method(DFLASH_PROJECT, ("target_hidden",)), optional=True),
+]
+
+
+def probe_projection() -> List[Probe]:
+    """Probe the projection's seams (nothing is registered)."""
+    return probe(PROJECTION_SEAMS)
+
 
 _PACKING = (f"{AUX_MODULE}.AuxHiddenStateList", f"{AUX_MODULE}.pack_aux_hidden_states")
 _PLAIN = (LOGITS_STORE, "sglang.srt.layers.radix_attention.unified_attention_with_output + piecewise context")

@@ -1,0 +1,176 @@
+"""SGLang: the draft's input projection accumulated as the target captures (opt-in).
+
+With ``COMPILE_PASS_SGLANG_PROJECT=1`` (beside ``COMPILE_PASS_SGLANG=1``) the SGLang plugin
+reads the draft's input projection when the draft model is loaded and, on the target's
+capturing forwards, projects each capture into one ``[T, H_draft]`` accumulator
+(``compile_pass.ProjectingAccumulator``) instead of packing it into ``[T, K*H]``. The logits
+processor then stores the projected tensor where it stored the packed one, and the draft
+reads it without projecting again:
+
+- Eagle3 (``llama_eagle3.LlamaModel`` and drafts shaped like it: ``fc``,
+  ``num_aux_hidden_states``, optional ``input_norm`` (``norm_before_fc``) or ``fc_norm`` (one
+  per capture)): SGLang's draft applies its norms and ``fc`` only when its input's width
+  differs from its hidden size, so a projected input passes straight on;
+- DFlash (``dflash.DFlashDraftModel``: ``fc``, ``hidden_norm``, ``project_target_hidden``):
+  ``project_target_hidden`` is wrapped to apply ``hidden_norm`` alone to an input already
+  ``H_draft`` wide (SGLang's own checks and projection for anything else).
+
+Tensor parallelism: SGLang's Eagle3 ``fc`` is an ``nn.Linear`` and DFlash's a replicated
+linear; every rank holds the whole weight and the whole (all-reduced) capture, so each rank
+projects in full, as the draft would. A draft whose layout is not recognised (a quantized
+``fc``, a norm that is not an RMSNorm, a DFlash variant with its own projection) is named
+in a warning and the captures are packed as without the option. Opt-in: the draft's input
+is K rounded partial products summed instead of one GEMM (docs/projection.md measures it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+import torch
+
+from compile_pass.packer import AuxCaptureError
+from compile_pass.projection import DraftProjection, ProjectingAccumulator
+
+__all__ = ["ENV_PROJECT", "enabled_by_env", "DraftInput", "draft_input_of", "register_draft", "registered",
+           "clear", "accumulator_for", "projected_target_hidden"]
+
+logger = logging.getLogger("compile_pass.sglang")
+
+ENV_PROJECT = "COMPILE_PASS_SGLANG_PROJECT"
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV_PROJECT, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    """What a loaded draft does to the packed captures: ``kind`` (``"eagle3"`` or
+    ``"dflash"``), ``owner`` (the module applying it, named in logs) and its projection."""
+
+    kind: str
+    owner: str
+    projection: DraftProjection
+    norm_before_fc: Any = None
+    fc_norms: Any = None
+
+    @property
+    def num_captures(self) -> int:
+        return self.projection.num_captures
+
+    def accumulator(self) -> ProjectingAccumulator:
+        p = self.projection
+        return ProjectingAccumulator(p.num_captures, p.weight, fc_bias=p.bias, norm_before_fc=self.norm_before_fc,
+                                     fc_norms=self.fc_norms)
+
+
+_REGISTERED: Optional[DraftInput] = None
+
+
+def _plain_fc(fc: Any) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], str]:
+    """(weight, bias, "") of an unquantized linear (``nn.Linear`` or SGLang's replicated
+    linear without a quantization method of its own); else (None, None, why not)."""
+    weight = getattr(fc, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None, None, f"its fc ({type(fc).__name__}) has no 2-D weight"
+    method = getattr(fc, "quant_method", None)
+    if method is not None and type(method).__name__ != "UnquantizedLinearMethod":
+        return None, None, f"its fc is quantized ({type(method).__name__})"
+    if not weight.dtype.is_floating_point or weight.element_size() < 2:
+        return None, None, f"its fc weight is {weight.dtype} (quantized)"
+    bias = getattr(fc, "bias", None)
+    return weight, bias if isinstance(bias, torch.Tensor) else None, ""
+
+
+def _is_rms_norm(norm: Any) -> bool:
+    return (isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.dim() == 1
+            and isinstance(getattr(norm, "variance_epsilon", getattr(norm, "eps", None)), float)
+            and "rms" in type(norm).__name__.lower())
+
+
+def draft_input_of(model: Any) -> Tuple[Optional[DraftInput], str]:
+    """The draft input projection of a loaded SGLang draft model, or (None, why not)."""
+    modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
+    eagle = next((m for m in modules if hasattr(m, "fc") and hasattr(m, "num_aux_hidden_states")), None)
+    dflash = next((m for m in modules if hasattr(m, "fc") and callable(getattr(m, "project_target_hidden", None))),
+                  None)
+    if eagle is None and dflash is None:
+        return None, f"{type(model).__name__} has no Eagle3 or DFlash input projection (fc) to take"
+    owner = eagle if eagle is not None else dflash
+    name = f"{type(owner).__module__}.{type(owner).__qualname__}"
+    weight, bias, why = _plain_fc(owner.fc)
+    if weight is None:
+        return None, f"{name}: {why}"
+    try:
+        if eagle is not None:
+            k = int(eagle.num_aux_hidden_states)
+            norm, chunks = getattr(eagle, "input_norm", None), getattr(eagle, "fc_norm", None)
+            for n in ([norm] if norm is not None else []) + list(chunks or []):
+                if not _is_rms_norm(n):
+                    return None, f"{name}: its norm before fc is a {type(n).__name__}, not an RMSNorm"
+            projection = DraftProjection.build(k, weight, fc_bias=bias, norm_before_fc=norm,
+                                               fc_norms=list(chunks) if chunks is not None else None)
+            return DraftInput("eagle3", name, projection, norm, list(chunks) if chunks is not None else None), ""
+        if type(dflash).project_target_hidden.__qualname__.split(".")[0] != "DFlashDraftModel":
+            return None, f"{name}: a DFlash variant with a projection of its own (project_target_hidden)"
+        k = int(getattr(dflash, "num_context_features", 0))
+        return DraftInput("dflash", name, DraftProjection.build(k, weight, fc_bias=bias)), ""
+    except (AuxCaptureError, TypeError, ValueError) as e:
+        return None, f"{name}: {e}"
+
+
+def register_draft(model: Any) -> bool:
+    """Take the draft's input projection (once its weights are loaded); True if taken. A
+    draft that does not fit is named in a warning and the captures stay packed."""
+    global _REGISTERED
+    found, why = draft_input_of(model)
+    if found is None:
+        logger.warning("compile_pass SGLang plugin: %s: the draft's input is packed as without %s",
+                       why, ENV_PROJECT)
+        _REGISTERED = None
+        return False
+    _REGISTERED = found
+    p = found.projection
+    logger.info("compile_pass SGLang plugin: %s draft %s: each capture projected into [T, %d] (K=%d, hidden %d)",
+                found.kind, found.owner, p.out_features, p.num_captures, p.hidden)
+    return True
+
+
+def registered() -> Optional[DraftInput]:
+    return _REGISTERED
+
+
+def clear() -> None:
+    global _REGISTERED
+    _REGISTERED = None
+
+
+def accumulator_for(num_captures: int, first: torch.Tensor) -> Tuple[Optional[ProjectingAccumulator], str]:
+    """A fresh accumulator for a forward capturing ``num_captures`` tensors like ``first``,
+    or (None, why not: nothing registered, or the registered draft does not fit)."""
+    draft = _REGISTERED
+    if draft is None:
+        return None, "no draft registered"
+    p = draft.projection
+    if num_captures != p.num_captures:
+        return None, f"the target captures {num_captures} layers, the draft {draft.owner} reads {p.num_captures}"
+    if first.shape[-1] != p.hidden or first.dtype != p.weight.dtype or first.device != p.weight.device:
+        return None, (f"a capture is {tuple(first.shape)} {first.dtype} on {first.device}, the draft's fc "
+                      f"{tuple(p.weight.shape)} {p.weight.dtype} on {p.weight.device}")
+    return draft.accumulator(), ""
+
+
+def projected_target_hidden(original_fn, self, target_hidden, *args, **kwargs):
+    """Around DFlash's ``project_target_hidden``: an input already ``H_draft`` wide (projected
+    as it was captured) gets ``hidden_norm`` alone; anything else SGLang's own method."""
+    draft = _REGISTERED
+    hidden = getattr(getattr(self, "config", None), "hidden_size", None)
+    if (draft is not None and draft.kind == "dflash" and isinstance(target_hidden, torch.Tensor)
+            and target_hidden.dim() == 2 and target_hidden.shape[-1] == draft.projection.out_features
+            and target_hidden.shape[-1] != draft.projection.weight.shape[1] and hidden in (None, target_hidden.shape[-1])):
+        return self.hidden_norm(target_hidden)
+    return original_fn(self, target_hidden, *args, **kwargs)
