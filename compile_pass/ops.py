@@ -15,12 +15,13 @@ mutation is what makes the write survive every place the rewritten graph can go:
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
 __all__ = ["write_slice_", "binary_into_slice_", "project_into_", "project_binary_into_", "bias_into_",
            "project_normed_into_", "project_scaled_into_", "sum_squares_into_", "rms_scale_", "rms_norm",
+           "project_rows_", "BLOCK_ELEMENTS",
            "BINARY_OPS", "MUTATED_ARG"]
 
 #: the correctly rounded binary ops ``binary_into_slice_`` computes (aten op names)
@@ -72,13 +73,7 @@ def project_into_(acc: torch.Tensor, src: torch.Tensor, weight: torch.Tensor, st
     ``first``: the accumulator's first term, written rather than added, so ``acc`` may come
     uninitialized). ``fuse_projection.py`` emits one per capture of a group the draft's
     ``fc`` reads."""
-    h = src.shape[-1]
-    rows, out = src.reshape(-1, h), acc.view(-1, acc.shape[-1])
-    block = weight.narrow(1, start, h).t()
-    if first:
-        torch.mm(rows, block, out=out)
-    else:
-        out.addmm_(rows, block)
+    project_rows_(acc, src, weight, start, first)
 
 
 @project_into_.register_fake
@@ -124,6 +119,30 @@ def _source(a: torch.Tensor, b: Optional[torch.Tensor], op: str) -> torch.Tensor
     return getattr(torch, op)(a, b)
 
 
+#: rows of a capture transformed at a time before their projection (a norm's fp32 temporaries
+#: are this many elements of the capture at most, not the whole ``[T, H]``)
+BLOCK_ELEMENTS = 1 << 20
+
+
+def project_rows_(acc: torch.Tensor, src: torch.Tensor, weight: torch.Tensor, start: int, first: bool,
+                  transform: Optional[Callable[[torch.Tensor, slice], torch.Tensor]] = None) -> None:
+    """``acc (+)= transform(src) @ weight[:, start:start+h].T``, ``transform`` applied to row
+    blocks of ``src`` (each at most ``BLOCK_ELEMENTS``; it gets the block and its row slice)
+    and each block projected before the next is made: a row-wise transform (a norm) never
+    holds temporaries of the whole capture. Without a transform, one GEMM."""
+    h = src.shape[-1]
+    rows, out = src.reshape(-1, h), acc.view(-1, acc.shape[-1])
+    block = weight.narrow(1, start, h).t()
+    step = rows.shape[0] if transform is None else max(1, BLOCK_ELEMENTS // max(1, h))
+    for r in range(0, rows.shape[0], step) if rows.shape[0] else ():
+        span = slice(r, r + step)
+        x = rows[span] if transform is None else transform(rows[span], span)
+        if first:
+            torch.mm(x, block, out=out[span])
+        else:
+            out[span].addmm_(x, block)
+
+
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: Union[float, torch.Tensor]) -> torch.Tensor:
     """RMSNorm as vLLM's and SGLang's ``forward_native`` compute it: in fp32, cast back to
     ``x``'s dtype, then times ``weight`` (``eps``: a number or a 0-dim tensor, added alike)."""
@@ -140,7 +159,7 @@ def project_normed_into_(acc: torch.Tensor, a: torch.Tensor, b: Optional[torch.T
     own norm (the draft's per-capture ``fc_norm``) applied, then its term (``project_into_``).
     ``eps_tensor``, if given, is the eps (a 0-dim tensor: a traced float input)."""
     epsilon = eps_tensor if eps_tensor is not None else eps
-    project_into_(acc, rms_norm(_source(a, b, op), norm_weight, epsilon), weight, start, first)
+    project_rows_(acc, _source(a, b, op), weight, start, first, lambda x, _: rms_norm(x, norm_weight, epsilon))
 
 
 @project_normed_into_.register_fake
@@ -158,9 +177,11 @@ def project_scaled_into_(acc: torch.Tensor, a: torch.Tensor, b: Optional[torch.T
     term under a norm over the whole concat, before that norm's per-token scale
     (``rms_scale_`` applies it once, from ``sum_squares_into_``'s sums)."""
     src = _source(a, b, op)
-    if norm_weight is not None:
-        src = src * norm_weight.narrow(0, start, src.shape[-1])
-    project_into_(acc, src, weight, start, first)
+    if norm_weight is None:
+        project_rows_(acc, src, weight, start, first)
+        return
+    scale = norm_weight.narrow(0, start, src.shape[-1])
+    project_rows_(acc, src, weight, start, first, lambda x, _: x * scale)
 
 
 @project_scaled_into_.register_fake
@@ -176,11 +197,15 @@ def sum_squares_into_(sumsq: torch.Tensor, a: torch.Tensor, b: Optional[torch.Te
     """``sumsq (+)= sum(src**2, -1, keepdim)`` in fp32 (``sumsq``: fp32 ``[*lead, 1]``): the
     capture's share of a norm over the whole concat, taken when the capture is made (a
     later in-place write into the capture's inputs cannot reach it)."""
-    square = torch.linalg.vector_norm(_source(a, b, op), 2, dim=-1, keepdim=True, dtype=torch.float32).square_()
-    if first:
-        sumsq.copy_(square)
-    else:
-        sumsq.add_(square)
+    src = _source(a, b, op)
+    rows, sums = src.reshape(-1, src.shape[-1]), sumsq.view(-1, 1)
+    step = max(1, BLOCK_ELEMENTS // max(1, src.shape[-1]))  # the fp32 upcast a block at a time
+    for r in range(0, rows.shape[0], step):
+        square = torch.linalg.vector_norm(rows[r:r + step], 2, dim=-1, keepdim=True, dtype=torch.float32).square_()
+        if first:
+            sums[r:r + step].copy_(square)
+        else:
+            sums[r:r + step].add_(square)
 
 
 @sum_squares_into_.register_fake

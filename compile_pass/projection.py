@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
-from compile_pass.ops import rms_norm  # the one definition the eager path and the pass's ops share
+from compile_pass.ops import project_rows_, rms_norm, sum_squares_into_  # shared with the pass's ops
 from compile_pass.packer import AuxCaptureError
 
 __all__ = ["RMSNormSpec", "DraftProjection", "ProjectingAccumulator", "rms_norm"]
@@ -215,17 +215,23 @@ class ProjectingAccumulator:
             self._acc = hidden.new_zeros((*self._lead, p.out_features), dtype=self.accumulate_dtype or hidden.dtype)
             if p.norm_before_fc is not None:
                 self._sumsq = hidden.new_zeros((*self._lead, 1), dtype=torch.float32)
-        x = hidden
+        start = k * p.hidden
+        transform = None
         if p.fc_norms is not None:
-            x = rms_norm(x, p.fc_norms[k].weight, p.fc_norms[k].eps)
+            norm = p.fc_norms[k]
+            transform = lambda x, _: rms_norm(x, norm.weight, norm.eps)  # noqa: E731
         elif p.norm_before_fc is not None:
-            self._sumsq += torch.linalg.vector_norm(x, 2, dim=-1, keepdim=True, dtype=torch.float32).square_()
-            x = x * p.norm_before_fc.weight[k * p.hidden:(k + 1) * p.hidden]
-        rows, acc = x.reshape(-1, p.hidden), self._acc.view(-1, p.out_features)
-        if acc.dtype == x.dtype:
-            acc.addmm_(rows, p.block(k).t())  # one rounding of the running sum per capture
+            sum_squares_into_(self._sumsq, hidden, None, "", False)
+            scale = p.norm_before_fc.weight[start:start + p.hidden]
+            transform = lambda x, _: x * scale  # noqa: E731
+        if self._acc.dtype == hidden.dtype:
+            # the compiled ops' own arithmetic (ops.project_rows_): one rounding of the running
+            # sum per capture, a norm's temporaries a block of rows at a time
+            project_rows_(self._acc, hidden, p.weight, start, False, transform)
         else:
-            acc.add_(rows @ p.block(k).t())
+            rows = hidden.reshape(-1, p.hidden)
+            x = transform(rows, slice(None)) if transform is not None else rows
+            self._acc.view(-1, p.out_features).add_(x @ p.block(k).t())
         self._idx += 1
 
     def capture(self, hidden: torch.Tensor, *, owned: bool = False) -> None:

@@ -125,3 +125,13 @@ def test_acceptance_table_shows_the_fp32_accumulator_where_it_was_measured():
     lines = results_table.acceptance_table([row, measured]).splitlines()
     assert lines[2].endswith("| 0.2800 | 0.2800 | - |") and "| 0.0043 |" in lines[2]
     assert lines[3].endswith("| 0.004 / 99.50% |") and "| 0.031 / 0.0043 |" in lines[3]
+
+
+def test_engine_projection_table_one_row_per_run_sorted():
+    run = {"model": "LlamaForCausalLM", "K": 8, "combine": "plain", "hidden": 1024, "draft_hidden": 768,
+           "overhead_off": 1.46, "overhead_on": 1.0, "overhead_projected": 0.094, "max_abs_vs_cat_then_project": 3e-7,
+           "max_rel_vs_cat_then_project": 4e-7, "logits_equal_no_capture_projected": True, "logits_equal_no_capture": True}
+    lines = results_table.engine_projection_table([run, dict(run, K=3, overhead_projected=0.25)]).splitlines()
+    assert lines[2] == ("| LlamaForCausalLM | 3 | plain | 1024 -> 768 | 1.46 | 1.00 | **0.25** | 3e-07 / 4e-07 "
+                        "| True |")
+    assert lines[3].startswith("| LlamaForCausalLM | 8 |") and len(lines) == 4

@@ -4,6 +4,10 @@ the benchmark named in the file to change them).
     python -m tools.results_table projection docs/results/projection_memory_cpu.json \\
         docs/results/projection_memory_inductor_cpu.json --dtype bfloat16
     python -m tools.results_table acceptance docs/results/draft_acceptance_cpu.json
+    python -m tools.results_table engine-projection docs/results/sglang_projection_*.json
+
+``engine-projection``: one row per ``benchmarks/sglang_model_runner.py`` result run with
+``PROJECT=`` (list / packer / projected through SGLang's ModelRunner).
 
 ``projection``: one row per combine and K, one column per execution (uncompiled: the list
 path / the packer / ``ProjectingAccumulator``; compiled: the list path / the pass / the pass
@@ -91,12 +95,30 @@ def acceptance_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def engine_projection_table(results: List[Dict[str, Any]]) -> str:
+    """One row per engine run with a projected draft input (``benchmarks/sglang_model_runner.py``
+    with ``PROJECT=``): the list path, the packer, the projection, side by side, and the
+    projected input's error against the draft's own cat-then-project."""
+    head = ["model", "K", "combine", "H -> H_draft", "list", "packer", "projected", "max abs / rel error",
+            "logits = no capture"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(results, key=lambda r: (r["model"], r["K"], r["combine"])):
+        lines.append(f"| {r['model']} | {r['K']} | {r['combine']} | {r['hidden']} -> {r['draft_hidden']} | "
+                     f"{r['overhead_off']:.2f} | {r['overhead_on']:.2f} | **{r['overhead_projected']:.2f}** | "
+                     f"{r['max_abs_vs_cat_then_project']:.2g} / {r['max_rel_vs_cat_then_project']:.2g} | "
+                     f"{r['logits_equal_no_capture_projected'] and r['logits_equal_no_capture']} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("kind", choices=("projection", "acceptance"))
+    ap.add_argument("kind", choices=("projection", "acceptance", "engine-projection"))
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
+    if args.kind == "engine-projection":  # one result per file
+        print(engine_projection_table([json.load(open(path)) for path in args.paths]))
+        return
     rows = _rows(args.paths)
     print(projection_table(rows, args.dtype) if args.kind == "projection" else acceptance_table(rows))
 
