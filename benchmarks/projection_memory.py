@@ -105,8 +105,23 @@ def main() -> None:
     ap.add_argument("--draft-ratio", type=float, default=0.75)
     ap.add_argument("--device", default="cpu", help="cpu (peaks from the profiler) or cuda (max_memory_allocated)")
     ap.add_argument("--out")
+    ap.add_argument("--time-only", action="store_true",
+                    help="only the K-GEMMs-vs-one time ratio per dtype and K (on a quiet machine)")
     args = ap.parse_args()
     rows = []
+    if args.time_only:
+        for dtype_name in args.dtypes.split(","):
+            for k in (int(x) for x in args.ks.split(",")):
+                cfg = config(k, args.layers, args.scale)
+                ratio = gemm_time_ratio(cfg, int(cfg.hidden_size * args.draft_ratio), DTYPES[dtype_name], args.tokens,
+                                        repeats=20, device=args.device)
+                rows.append({"device": args.device, "dtype": dtype_name, "K": k, "tokens": args.tokens,
+                             "gemm_time_ratio": round(ratio, 3)})
+                print(json.dumps(rows[-1]), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"torch": torch.__version__, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
+        return
     for dtype_name in args.dtypes.split(","):
         dtype = DTYPES[dtype_name]
         for k in (int(x) for x in args.ks.split(",")):
