@@ -197,16 +197,17 @@ def test_one_compile_serves_two_token_counts():
     assert sum(g.fused for g in _groups(backend)) == 1 and len(backend.results) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("combine", ["norm_before_fc", "fc_norms"])
-def test_norms_with_a_traced_eps_one_compile_two_token_counts(combine):
+def test_norms_with_a_traced_eps_one_compile_two_token_counts(combine, dtype):
     """The engine-shaped rank's norms read ``eps`` from a module attribute, which Dynamo
     traces as a graph input (``item()``) under dynamic shapes: the norm is still matched,
     its eps node passed to the ops; each token count's draft input equals the eager
     ``ProjectingAccumulator``'s bit for bit, the target's output the uncompiled model's."""
     from models import draft_input
 
-    model, _ = draft_input.tiny(k=3, combine=combine)
-    projected, _ = draft_input.tiny(k=3, combine=combine, capture="projected")
+    model, _ = draft_input.tiny(k=3, combine=combine, dtype=dtype)
+    projected, _ = draft_input.tiny(k=3, combine=combine, dtype=dtype, capture="projected")
     compiled, backend = _compile(model, "aot_eager", True, dynamic=True)
     with torch.no_grad():
         for tokens in (24, 100):
