@@ -27,13 +27,12 @@ from torch._dynamo.utils import counters
 
 from compile_pass.cost import (changed_span, graph_liveness, inductor_computes_into, lift_slack, lifted_floor,
                                lifted_peak, planned_peak, without_fusion_into)
-from compile_pass.dataflow import NodeTable, copy_graph, gc_paused, nbytes, tensor_value
+from compile_pass.dataflow import NodeTable, copy_graph, gc_paused, nbytes, op_name, tensor_value
 from compile_pass.find import LAYER_DEPTH, classify_producer, find_capture_groups, find_output_groups, is_dtype_conversion
 from compile_pass.fuse_projection import FcReader, fc_reading, fuse_into_accumulator
 from compile_pass.groups import CaptureGroup, Decision, GroupKind, Producer, Rejection, summarize
 from compile_pass.lift import LiftedBuffers, LiftError, lift_packed_buffers
 from compile_pass.liveness import LivenessModel
-from compile_pass.norm_match import op_name
 from compile_pass.plan import GraphFacts, plan_group
 from compile_pass.result import CODE_NOT_KEPT, PassResult
 from compile_pass.rewrite import (RewriteError, check_rewrite, compute_writes_into_slices, rewrite_group,

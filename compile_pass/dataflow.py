@@ -26,6 +26,8 @@ import torch.fx as fx
 
 __all__ = [
     "tensor_value",
+    "op_name",
+    "OPERATOR_NAMES",
     "hint",
     "sizes_at",
     "hinted_numel",
@@ -51,6 +53,27 @@ _INPLACE_OPERATORS = {
 
 _CAT_TARGETS = (torch.cat, torch.concat, torch.concatenate, torch.ops.aten.cat.default,
                 torch.ops.aten.cat, torch.ops.aten.concat.default, torch.ops.aten.concat)
+
+
+#: ``operator`` functions under the aten name of the op they compute
+OPERATOR_NAMES = {
+    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
+    operator.neg: "neg", operator.matmul: "matmul", operator.pow: "pow", operator.getitem: "getitem",
+}
+
+
+def op_name(node: fx.Node) -> str:
+    """The canonical name of the op ``node`` calls (``""`` for a non-call)."""
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    if node.op != "call_function":
+        return ""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target.__name__
+    return OPERATOR_NAMES.get(target) or getattr(target, "__name__", "") or ""
 
 
 def tensor_value(node: Any) -> Optional[torch.Tensor]:

@@ -18,17 +18,13 @@ import torch
 import torch.fx as fx
 
 from compile_pass.dataflow import (
-    NodeTable, cat_nodes, hint, nbytes, storage_key, tensor_value,
+    OPERATOR_NAMES, NodeTable, cat_nodes, hint, nbytes, op_name, storage_key, tensor_value,
 )
 from compile_pass.groups import Capture, CaptureGroup, Decision, GroupKind, Producer, Provenance, Rejection
 
 __all__ = ["find_capture_groups", "find_output_groups", "classify_producer", "is_dtype_conversion", "aten_packet",
            "exact_out_variant", "exact_binary_op", "LAYER_DEPTH"]
 
-_OPERATOR_NAMES = {
-    operator.add: "add", operator.sub: "sub", operator.mul: "mul",
-    operator.truediv: "div", operator.neg: "neg", operator.matmul: "matmul",
-}
 _EXACT_ARITHMETIC = {"add", "sub", "mul", "div"}  # IEEE correctly rounded: bitwise in any layout
 _MATMUL = {"mm", "addmm", "linear", "matmul"}
 _BATCHED_MATMUL = {"bmm", "baddbmm"}
@@ -55,7 +51,7 @@ def _packet_of(op: str, target: object) -> Optional[torch._ops.OpOverloadPacket]
     if op == "call_method":
         name = target
     else:
-        name = _OPERATOR_NAMES.get(target) or getattr(target, "__name__", None)
+        name = OPERATOR_NAMES.get(target) or getattr(target, "__name__", None)
     if not isinstance(name, str):
         return None
     try:
@@ -113,14 +109,7 @@ def is_dtype_conversion(node: fx.Node, table: Optional[NodeTable] = None) -> boo
     so a ``.to(device)`` or a reshaping call is not one)."""
     if node.op not in ("call_method", "call_function") or not node.args or not isinstance(node.args[0], fx.Node):
         return False
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        name = target.overloadpacket.__name__
-    elif isinstance(target, torch._ops.OpOverloadPacket):
-        name = target.__name__
-    else:
-        name = target if node.op == "call_method" else getattr(target, "__name__", None)
-    if not isinstance(name, str) or name.split(".")[-1] not in _CONVERSIONS:
+    if op_name(node).split(".")[-1] not in _CONVERSIONS:
         return False
     value_of = table.value.get if table is not None else tensor_value
     value, source = value_of(node), value_of(node.args[0])

@@ -13,7 +13,7 @@ which weight and epsilon. ``match_rms_norm(x)`` reads it from ``x``'s readers:
       u = cast(x)?;  s = mean(u*u | u**2 | square(u), -1, keepdim);  r = rsqrt(s + eps)
       y = cast(u * r)? * weight?
 
-Ops are told apart by their canonical name (``op_name``: an OpOverload's packet, a torch
+Ops are told apart by their canonical name (``dataflow.op_name``: an OpOverload's packet, a torch
 function's or method's name, an ``operator`` function's aten name) and by the values in
 the nodes' metadata (shapes, dims, which argument is which node), never by one spelling.
 
@@ -24,35 +24,18 @@ match, and the reason says which node broke it.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.fx as fx
 
-from compile_pass.dataflow import tensor_value
+from compile_pass.dataflow import op_name, tensor_value
 
-__all__ = ["RMSNormMatch", "match_rms_norm", "chunk_readers", "op_name"]
+__all__ = ["RMSNormMatch", "match_rms_norm", "chunk_readers"]
 
-_OPERATOR_NAMES = {operator.add: "add", operator.mul: "mul", operator.pow: "pow",
-                   operator.truediv: "div", operator.getitem: "getitem"}
 _CASTS = {"to", "float", "half", "bfloat16", "type", "type_as", "_to_copy", "convert_element_type"}
 _ONE_CALL = {"rms_norm", "_fused_rms_norm"}
-
-
-def op_name(node: fx.Node) -> str:
-    """The canonical name of the op ``node`` calls (``""`` for a non-call)."""
-    target = node.target
-    if node.op == "call_method":
-        return str(target)
-    if node.op != "call_function":
-        return ""
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target.__name__
-    return _OPERATOR_NAMES.get(target) or getattr(target, "__name__", "") or ""
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ as without the plugin (a capture falls back to the list's own clone).
 from __future__ import annotations
 
 import contextvars
+import functools
+import inspect
 import logging
 import os
 import re
@@ -237,8 +239,6 @@ def capture_style(cls: type) -> Optional[str]:
     shows one of them (``_style_of_source``); None: none does, or no source. Cached per
     class."""
     if cls not in _style_of_class:
-        import inspect
-
         style = None
         for klass in cls.__mro__:
             if klass is object or klass.__module__.startswith("torch."):
@@ -356,14 +356,17 @@ def projected_input(aux: Any) -> Optional[torch.Tensor]:
     return acc.finalize()
 
 
+@functools.lru_cache(maxsize=8)
+def _signature(fn: Any) -> inspect.Signature:
+    return inspect.signature(fn)  # read once per wrapped function, not on every forward
+
+
 def _logits_forward(original_fn, self, *args, **kwargs):
     """Around ``LogitsProcessor.forward``: a capture list whose captures were projected is
     handed on as the projected ``[T, H_draft]`` tensor (stored for the draft where the packed
     captures were; the logits processor slices a tensor by rows as it did the list)."""
-    import inspect
-
     try:
-        bound = inspect.signature(original_fn).bind(self, *args, **kwargs)
+        bound = _signature(original_fn).bind(self, *args, **kwargs)
         projected = projected_input(bound.arguments.get("aux_hidden_states"))
     except Exception as e:  # noqa: BLE001 - never fail the model's forward
         _warn_once(type(self), "logits hook", f"reading the capture list failed ({e!r})")
