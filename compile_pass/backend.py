@@ -73,7 +73,7 @@ REMOVED_INNERS = {
 }
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "lite")
 _BACKEND_KEYS = ("inner", "rewrite", "cost_model", "pack_outputs", "split_ops", "keep_code_before",
-                 "fuse_projection")
+                 "fuse_projection", "project_outputs")
 
 CompiledFn = Callable[..., Any]
 Inner = Union[str, Callable[[fx.GraphModule, List[torch.Tensor]], CompiledFn]]
@@ -108,6 +108,9 @@ class AuxCaptureBackend:
     #: opt-in: a concat the draft's fc alone reads becomes one [*, H_draft] accumulator each
     #: capture is projected into (``fuse_projection.py``; changes the draft input's rounding)
     fuse_projection: bool = False
+    #: opt-in: the name of a registered draft (``compile_pass.draft_registry``): returned
+    #: captures that fit it are returned as its projected input (implies ``pack_outputs``)
+    project_outputs: Optional[str] = None
     results: List[PassResult] = field(default_factory=list)
     #: one entry per split graph compiled: (compute pieces, split-op calls)
     splits: List[SplitGraph] = field(default_factory=list)
@@ -128,6 +131,11 @@ class AuxCaptureBackend:
         if not isinstance(self.inner, str) and not callable(self.inner):
             raise TypeError(f"inner must be a name or a callable, got {type(self.inner).__name__}")
         self.split_ops = check_split_ops(self.split_ops)
+        if self.project_outputs is not None:
+            if not isinstance(self.project_outputs, str) or not self.project_outputs:
+                raise TypeError(f"option 'project_outputs' must be a registered draft's name, got "
+                                f"{self.project_outputs!r}")
+            self.pack_outputs = True
         for name in ("rewrite", "cost_model", "pack_outputs", "keep_code_before", "fuse_projection"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"option {name!r} must be a bool, got {getattr(self, name)!r}")
@@ -179,7 +187,8 @@ class AuxCaptureBackend:
             return None
         result = run_capture_pass(gm, target, estimate=self._estimate, cost_model=self.cost_model,
                                   concat=concat, pack_outputs=pack_outputs,
-                                  keep_code_before=self._keep_code, fuse_projection=self.fuse_projection)
+                                  keep_code_before=self._keep_code, fuse_projection=self.fuse_projection,
+                                  project_outputs=self.project_outputs)
         self.results.append(result)
         self._on_result(result, gm.graph)
         return result
@@ -260,7 +269,8 @@ class AuxCaptureBackend:
         work = copy_module(gm)
         result = run_capture_pass(work, "dynamo_lifted", estimate=self._estimate,
                                   cost_model=self.cost_model, pack_outputs=self.pack_outputs,
-                                  keep_code_before=self._keep_code, fuse_projection=self.fuse_projection)
+                                  keep_code_before=self._keep_code, fuse_projection=self.fuse_projection,
+                                  project_outputs=self.project_outputs)
         # no ``original=gm.graph``: Dynamo owns its graph and may empty it once the backend
         # returns (a restarted analysis did), so the code before, if kept, is from the copy
         self.results.append(result)
@@ -396,7 +406,8 @@ def _inputs_as_given(args: List[Any]) -> List[Any]:
 def aux_capture_backend(inner: Inner = "inductor", *, rewrite: bool = True, cost_model: bool = True,
                         mode: Optional[str] = None, pack_outputs: bool = False,
                         split_ops: Sequence[str] = (), keep_code_before: bool = False,
-                        fuse_projection: bool = False, **inductor_options: Any) -> AuxCaptureBackend:
+                        fuse_projection: bool = False, project_outputs: Optional[str] = None,
+                        **inductor_options: Any) -> AuxCaptureBackend:
     """The backend as a callable: ``torch.compile(m, backend=aux_capture_backend(inner="eager"))``.
 
     ``rewrite=False``: the same compile with the pass off. ``cost_model=False``: rewrite
@@ -407,12 +418,15 @@ def aux_capture_backend(inner: Inner = "inductor", *, rewrite: bool = True, cost
     ``keep_code_before=True``: each result keeps the graph's code before the rewrite.
     ``fuse_projection=True`` (opt-in, changes rounding): a concat the draft's ``fc`` alone
     reads is projected per capture into one ``[*, H_draft]`` accumulator.
+    ``project_outputs="name"`` (opt-in, changes rounding): returned captures that fit the
+    draft registered under that name (``compile_pass.draft_registry.register``) are returned
+    as its projected input, ``[*, H_draft]`` first and ``[*, 0]`` stand-ins after.
     Other keywords are Inductor config options (inductor inner only).
     """
     return AuxCaptureBackend(inner=inner, rewrite=rewrite, cost_model=cost_model, mode=mode,
                              pack_outputs=pack_outputs, split_ops=split_ops,
                              keep_code_before=keep_code_before, fuse_projection=fuse_projection,
-                             inductor_options=dict(inductor_options))
+                             project_outputs=project_outputs, inductor_options=dict(inductor_options))
 
 
 def backend_from_options(mode: Optional[str] = None,
@@ -428,10 +442,11 @@ def backend_from_options(mode: Optional[str] = None,
     split_ops = options.pop("split_ops", ())
     keep_code_before = options.pop("keep_code_before", False)
     fuse_projection = options.pop("fuse_projection", False)
+    project_outputs = options.pop("project_outputs", None)
     return aux_capture_backend(inner, rewrite=rewrite, cost_model=cost_model, mode=mode,
                                pack_outputs=pack_outputs, split_ops=split_ops,
                                keep_code_before=keep_code_before, fuse_projection=fuse_projection,
-                               **options)
+                               project_outputs=project_outputs, **options)
 
 
 def aux_capture(gm: fx.GraphModule, example_inputs: List[torch.Tensor], *,

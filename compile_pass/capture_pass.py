@@ -29,7 +29,9 @@ from compile_pass.cost import (changed_span, graph_liveness, inductor_computes_i
                                lifted_peak, planned_peak, without_fusion_into)
 from compile_pass.dataflow import NodeTable, copy_graph, gc_paused, nbytes, op_name, tensor_value
 from compile_pass.find import LAYER_DEPTH, classify_producer, find_capture_groups, find_output_groups, is_dtype_conversion
-from compile_pass.fuse_projection import FcReader, fc_reading, fuse_into_accumulator
+from compile_pass.draft_registry import lookup as lookup_draft
+from compile_pass.fuse_projection import FcReader, fc_reading, fuse_into_accumulator, project_into_registered
+from compile_pass.packer import AuxCaptureError
 from compile_pass.groups import CaptureGroup, Decision, GroupKind, Producer, Rejection, summarize
 from compile_pass.lift import LiftedBuffers, LiftError, lift_packed_buffers
 from compile_pass.liveness import LivenessModel
@@ -265,11 +267,14 @@ def _decide_fused(state: "_GraphState", group: CaptureGroup, cost_model: bool, c
     return True
 
 
-def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool, fuse_projection: bool = False) -> bool:
+def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool, fuse_projection: bool = False,
+            project_outputs: bool = False) -> bool:
     """Plan, trial-rewrite (on a copy) and price one group; accept it if the trial succeeds
     and the estimated peak drops (with ``cost_model=False``: whenever the trial succeeds).
     ``fuse_projection``: a group the draft's fc alone reads is priced, and rewritten, with
-    its captures projected into the draft's accumulator (``fuse_projection.py``)."""
+    its captures projected into the draft's accumulator (``fuse_projection.py``).
+    ``project_outputs``: returned captures are planned as copies (what
+    ``project_into_registered`` turns into projections), never computed into slot views."""
     target, placement = state.target, state.target.placement
     packed = group.packed_value
     if packed is not None and packed.requires_grad and not target.autograd_free:
@@ -293,8 +298,9 @@ def _decide(state: _GraphState, group: CaptureGroup, cost_model: bool, fuse_proj
                      "every reader of the concat is pointwise (a norm over it, say): Inductor computes the "
                      "concat inside their kernels and never holds it, so a packed buffer could only add one")
         return False
-    plan_group(group, state.facts, target.runs_as_is, hoist=target.hoist, into_op=target.lift,
-               twinned=state.twinned)
+    copies_only = project_outputs and group.kind is GroupKind.OUTPUTS
+    plan_group(group, state.facts, target.runs_as_is and not copies_only, hoist=target.hoist,
+               into_op=target.lift, twinned=state.twinned)
     if group.decision is Decision.REJECT:
         return False
     before = state.peak
@@ -457,7 +463,8 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
                      estimate: bool = False, cost_model: bool = True,
                      pack_outputs: bool = False, concat: bool = True,
                      original: Optional[fx.Graph] = None,
-                     keep_code_before: bool = True, fuse_projection: bool = False) -> PassResult:
+                     keep_code_before: bool = True, fuse_projection: bool = False,
+                     project_outputs: Optional[str] = None) -> PassResult:
     """Rewrite every accepted capture group of ``gm`` (in place); never raises.
 
     ``estimate=True`` also records whole-graph memory timelines before and after, for the
@@ -473,16 +480,20 @@ def run_capture_pass(gm: fx.GraphModule, target: Target | str = "dynamo",
     from a graph the pass leaves unchanged, it still is. ``estimate=True`` keeps it.
     ``fuse_projection=True``: a concat the draft's ``fc`` alone reads is projected per
     capture into one ``[*, H_draft]`` accumulator (``fuse_projection.py``; changes rounding).
+    ``project_outputs``: the name of a registered draft (``draft_registry``): a rewritten
+    group of returned captures that fits it returns its projected input instead (changes
+    rounding the same way).
     """
     with gc_paused():
         return _run_capture_pass(gm, TARGETS[target] if isinstance(target, str) else target,
                                  estimate, cost_model, pack_outputs, concat, original,
-                                 keep_code_before or estimate, fuse_projection)
+                                 keep_code_before or estimate, fuse_projection, project_outputs)
 
 
 def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_model: bool,
                       pack_outputs: bool, concat: bool, original: Optional[fx.Graph],
-                      keep_code: bool, fuse_projection: bool = False) -> PassResult:
+                      keep_code: bool, fuse_projection: bool = False,
+                      project_outputs: Optional[str] = None) -> PassResult:
     start = time.perf_counter()
     # the graph's own code, not gm.code: earlier passes (Inductor's) may not have recompiled.
     # Read later from a graph nothing edits: a working copy's original, or the graph itself
@@ -510,7 +521,7 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
                 continue
             group.placement = target.name
             state = state or _GraphState(gm, target, table, groups)
-            if not _decide(state, group, cost_model, fuse_projection):
+            if not _decide(state, group, cost_model, fuse_projection, project_outputs is not None):
                 continue
             # the trial on a copy (or the check) succeeded: the rewrite on the graph itself
             result.keep_code_before(gm.graph)  # the text before the graph's first change
@@ -518,6 +529,8 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
             buffer = rewrite_group(gm.graph, group)
             if fc is not None:
                 fuse_into_accumulator(gm.graph, buffer, fc)
+            elif group.kind is GroupKind.OUTPUTS and project_outputs is not None:
+                _project_returned(gm.graph, buffer, group, project_outputs)
             state, graph_changed = None, True
             # The rewrite erased or replaced nodes the remaining groups may refer to (the
             # concat and its readers, an elided clone, a hoisted producer, a capture two
@@ -557,6 +570,32 @@ def _run_capture_pass(gm: fx.GraphModule, target: Target, estimate: bool, cost_m
         result.seconds = time.perf_counter() - start - result.codegen_seconds
     _record(result)
     return result
+
+
+def _project_returned(graph: fx.Graph, buffer: fx.Node, group: CaptureGroup, draft_name: str) -> None:
+    """A rewritten group of returned captures made the registered draft's projected input
+    (``fuse_projection.project_into_registered``) where it fits the draft; else left packed,
+    ``group.projection`` saying why."""
+    try:
+        draft = lookup_draft(draft_name)
+    except AuxCaptureError as e:
+        group.projection = str(e)
+        return
+    if len(set(group.widths)) != 1:
+        group.projection = f"the returned captures differ in width ({list(group.widths)})"
+        return
+    signature, why = draft.fits(group.k, group.widths[0], group.dtype, group.device)
+    if signature is None:
+        group.projection = why
+        return
+    try:
+        project_into_registered(graph, buffer, group.cat, group.output_indices, draft_name, signature)
+    except ValueError as e:
+        group.projection = f"not projected: {e}"
+        return
+    group.fused = True
+    group.projection = f"projected into the registered draft {draft_name!r} ({draft.owner}: {signature.describe()})"
+    group.reason += f"; {group.projection}"
 
 
 def _lifted_bytes(gm: fx.GraphModule, lifted: LiftedBuffers) -> int:
@@ -599,7 +638,8 @@ def _lift_buffers(gm: fx.GraphModule, result: PassResult) -> bool:
 
 
 def rewrite_graph(gm: fx.GraphModule, *, split_ops: Sequence[str] = (), pack_outputs: bool = False,
-                  cost_model: bool = True, runs_as_is: bool = False) -> PassResult:
+                  cost_model: bool = True, runs_as_is: bool = False,
+                  project_outputs: Optional[str] = None) -> PassResult:
     """The pass for a backend that splits and compiles the Dynamo graph itself.
 
     Call it on the Dynamo graph before splitting it (SGLang's and vLLM's backends split
@@ -609,6 +649,8 @@ def rewrite_graph(gm: fx.GraphModule, *, split_ops: Sequence[str] = (), pack_out
     functionalization and compiler. ``split_ops`` are only checked here (a warning for an
     op that does not exist or never appears); ``runs_as_is=True`` (pieces executed node
     by node, nothing functionalizes them) also allows ``out=`` recomputation into slices.
+    ``project_outputs``: a registered draft's name (``draft_registry``; with
+    ``pack_outputs``): returned captures that fit it are returned projected.
     Never raises for a graph it cannot handle: the result says why.
     """
     from compile_pass.split import count_split_op_calls
@@ -616,4 +658,4 @@ def rewrite_graph(gm: fx.GraphModule, *, split_ops: Sequence[str] = (), pack_out
     if split_ops:
         count_split_op_calls(gm, split_ops)
     return run_capture_pass(gm, "dynamo" if runs_as_is else "dynamo_functional",
-                            cost_model=cost_model, pack_outputs=pack_outputs)
+                            cost_model=cost_model, pack_outputs=pack_outputs, project_outputs=project_outputs)

@@ -43,9 +43,10 @@ import torch.fx as fx
 
 import compile_pass.ops  # noqa: F401  (registers the projection ops)
 from compile_pass.dataflow import is_cat, tensor_value
+from compile_pass.draft_registry import DraftSignature, finish_registered_, project_registered_
 from compile_pass.norm_match import RMSNormMatch, chunk_readers, match_rms_norm
 
-__all__ = ["FcReader", "fc_reading", "fuse_into_accumulator", "ACCUMULATOR_NAME"]
+__all__ = ["FcReader", "fc_reading", "fuse_into_accumulator", "project_into_registered", "ACCUMULATOR_NAME"]
 
 ACCUMULATOR_NAME = "aux_projected"
 _WRITE = torch.ops.compile_pass.write_slice_.default
@@ -57,7 +58,9 @@ _PROJECT_NORMED = torch.ops.compile_pass.project_normed_into_.default
 _PROJECT_SCALED = torch.ops.compile_pass.project_scaled_into_.default
 _SUM_SQUARES = torch.ops.compile_pass.sum_squares_into_.default
 _RMS_SCALE = torch.ops.compile_pass.rms_scale_.default
-_PROJECTIONS = (_PROJECT, _PROJECT_BINARY, _PROJECT_NORMED, _PROJECT_SCALED)
+_PROJECT_REGISTERED = project_registered_._opoverload
+_FINISH_REGISTERED = finish_registered_._opoverload
+_PROJECTIONS = (_PROJECT, _PROJECT_BINARY, _PROJECT_NORMED, _PROJECT_SCALED, _PROJECT_REGISTERED)
 _EMPTY = torch.ops.aten.empty.memory_format
 
 _aten = torch.ops.aten
@@ -341,6 +344,69 @@ def fuse_into_accumulator(graph: fx.Graph, buffer: fx.Node, fc: FcReader) -> fx.
     graph.erase_node(fc.out)
     for node in (fc.flat, fc.transpose, *reversed(fc.between)):
         if node is not None and not node.users:
+            graph.erase_node(node)
+    if not buffer.users:
+        graph.erase_node(buffer)
+    return acc
+
+
+def project_into_registered(graph: fx.Graph, buffer: fx.Node, output: fx.Node, indices: Sequence[int],
+                            draft: str, signature: DraftSignature) -> fx.Node:
+    """Turn ``buffer`` (a rewritten group of *returned* captures: its writes, and the slices
+    ``output`` returns at ``indices``) into the registered ``draft``'s projected input, in
+    place: each write becomes ``project_registered_`` (and ``sum_squares_into_`` for a norm
+    over the concat), ``finish_registered_`` runs before ``output``, which returns the
+    accumulator at ``indices[0]`` and an empty ``[*lead, 0]`` at the others. Raises
+    ``ValueError`` (graph unchanged) where a reader of the buffer is neither a write nor a
+    returned slice."""
+    writes = [u for u in buffer.users if u.op == "call_function" and u.target in (_WRITE, _BINARY_INTO)]
+    returned = output.args[0]
+    values = list(returned) if isinstance(returned, (list, tuple)) else [returned]
+    slices = [values[i] for i in indices]
+    if any(u not in writes and u not in slices for u in buffer.users) or len(writes) != signature.num_captures:
+        raise ValueError(f"the packed buffer is read by more than its {signature.num_captures} writes and "
+                         f"returned slices")
+    for write in writes:
+        dim = write.args[2] if write.target is _WRITE else write.args[4]
+        if dim not in (-1, tensor_value(buffer).dim() - 1):
+            raise ValueError("a capture is written along a dim other than the last")
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    writes.sort(key=position.__getitem__)
+    starts = [w.args[3] if w.target is _WRITE else w.args[5] for w in writes]
+    if sorted(starts) != [k * signature.hidden for k in range(signature.num_captures)]:
+        raise ValueError(f"the captures are not written at the starts of {signature.num_captures} "
+                         f"{signature.hidden}-wide slices")
+    key = _meta_key(buffer)
+    spec = signature.describe()
+    acc = _empty_like_buffer(graph, buffer, signature.out_features, None, ACCUMULATOR_NAME)
+    sumsq = (_empty_like_buffer(graph, buffer, 1, torch.float32, "aux_sum_squares")
+             if signature.combine == "norm_before_fc" else None)
+    for i, write in enumerate(writes):
+        if write.target is _WRITE:
+            _, a, _, start = write.args
+            b, op = None, ""
+        else:
+            _, a, b, op, _, start = write.args
+        index = start // signature.hidden
+        with graph.inserting_before(write):
+            terms = [graph.call_function(_SUM_SQUARES, (sumsq, a, b, op, i == 0), {})] if sumsq is not None else []
+            terms.append(graph.call_function(_PROJECT_REGISTERED, (acc, a, b, op, draft, spec, index,
+                                                                   signature.num_captures, i == 0), {}))
+        for term in terms:
+            term.meta.update({k: v for k, v in write.meta.items() if k not in ("val", "example_value")})
+            term.meta[key] = None
+        graph.erase_node(write)
+    with graph.inserting_before(output):
+        graph.call_function(_FINISH_REGISTERED, (acc, sumsq, draft, spec, signature.num_captures),
+                            {}).meta[key] = None
+        values[indices[0]] = acc
+        for i in indices[1:]:
+            values[i] = _empty_like_buffer(graph, buffer, 0, None, "aux_projected_stand_in")
+            output.prepend(values[i])  # allocated right before the output, not with the buffer
+    output.args = ((type(returned)(values) if isinstance(returned, (list, tuple)) else values[0]),
+                   *output.args[1:])
+    for node in slices:
+        if not node.users:
             graph.erase_node(node)
     if not buffer.users:
         graph.erase_node(buffer)

@@ -110,7 +110,7 @@ def _bias_into_fake(acc: torch.Tensor, bias: torch.Tensor) -> None:
 
 
 # --------------------------------------- the draft's norms before fc, folded into the projection
-def _source(a: torch.Tensor, b: Optional[torch.Tensor], op: str) -> torch.Tensor:
+def capture_value(a: torch.Tensor, b: Optional[torch.Tensor], op: str) -> torch.Tensor:
     """A capture: ``a``, or ``op(a, b)`` where the rewrite computes it at its write."""
     if b is None:
         return a
@@ -159,7 +159,7 @@ def project_normed_into_(acc: torch.Tensor, a: torch.Tensor, b: Optional[torch.T
     own norm (the draft's per-capture ``fc_norm``) applied, then its term (``project_into_``).
     ``eps_tensor``, if given, is the eps (a 0-dim tensor: a traced float input)."""
     epsilon = eps_tensor if eps_tensor is not None else eps
-    project_rows_(acc, _source(a, b, op), weight, start, first, lambda x, _: rms_norm(x, norm_weight, epsilon))
+    project_rows_(acc, capture_value(a, b, op), weight, start, first, lambda x, _: rms_norm(x, norm_weight, epsilon))
 
 
 @project_normed_into_.register_fake
@@ -176,7 +176,7 @@ def project_scaled_into_(acc: torch.Tensor, a: torch.Tensor, b: Optional[torch.T
     """``acc (+)= (src * norm_weight[start:start+h]) @ weight[:, start:start+h].T``: a capture's
     term under a norm over the whole concat, before that norm's per-token scale
     (``rms_scale_`` applies it once, from ``sum_squares_into_``'s sums)."""
-    src = _source(a, b, op)
+    src = capture_value(a, b, op)
     if norm_weight is None:
         project_rows_(acc, src, weight, start, first)
         return
@@ -197,7 +197,7 @@ def sum_squares_into_(sumsq: torch.Tensor, a: torch.Tensor, b: Optional[torch.Te
     """``sumsq (+)= sum(src**2, -1, keepdim)`` in fp32 (``sumsq``: fp32 ``[*lead, 1]``): the
     capture's share of a norm over the whole concat, taken when the capture is made (a
     later in-place write into the capture's inputs cannot reach it)."""
-    src = _source(a, b, op)
+    src = capture_value(a, b, op)
     rows, sums = src.reshape(-1, src.shape[-1]), sumsq.view(-1, 1)
     step = max(1, BLOCK_ELEMENTS // max(1, src.shape[-1]))  # the fp32 upcast a block at a time
     for r in range(0, rows.shape[0], step):

@@ -22,14 +22,14 @@ collector (call-compatible with the packer where that makes sense: ``append``, `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
 from compile_pass.ops import project_rows_, rms_norm, sum_squares_into_  # shared with the pass's ops
 from compile_pass.packer import AuxCaptureError
 
-__all__ = ["RMSNormSpec", "DraftProjection", "ProjectingAccumulator", "rms_norm"]
+__all__ = ["RMSNormSpec", "DraftProjection", "ProjectingAccumulator", "accumulate_term_", "project_term_", "finish_", "rms_norm"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,49 @@ class DraftProjection:
         return out
 
 
+def _term_transform(p: DraftProjection, k: int) -> Optional[Callable[[torch.Tensor, slice], torch.Tensor]]:
+    """What capture ``k`` goes through before its projection: its own norm (``fc_norms``),
+    its block of a whole-concat norm's weight (``norm_before_fc``), or nothing."""
+    if p.fc_norms is not None:
+        norm = p.fc_norms[k]
+        return lambda x, _: rms_norm(x, norm.weight, norm.eps)
+    if p.norm_before_fc is not None:
+        scale = p.norm_before_fc.weight[k * p.hidden:(k + 1) * p.hidden]
+        return lambda x, _: x * scale
+    return None
+
+
+def project_term_(p: DraftProjection, acc: torch.Tensor, hidden: torch.Tensor, k: int, first: bool) -> None:
+    """``acc (+)= transform_k(hidden) @ W_k^T`` (``first``: written, ``acc`` may hold
+    anything before), the arithmetic of the compiled ops (``ops.project_rows_``)."""
+    project_rows_(acc, hidden, p.weight, k * p.hidden, first, _term_transform(p, k))
+
+
+def accumulate_term_(p: DraftProjection, acc: torch.Tensor, sumsq: Optional[torch.Tensor], hidden: torch.Tensor,
+                     k: int, first: bool) -> None:
+    """Add capture ``k``'s term to ``acc`` and, for a norm over the concat, its sum of
+    squares to ``sumsq`` (fp32 ``[*lead, 1]``; ``ops.sum_squares_into_``): eager and
+    compiled agree bit for bit."""
+    if p.norm_before_fc is not None:
+        if sumsq is None:
+            raise AuxCaptureError("a norm over the concat needs its sum-of-squares buffer")
+        sum_squares_into_(sumsq, hidden, None, "", first)
+    project_term_(p, acc, hidden, k, first)
+
+
+def finish_(p: DraftProjection, acc: torch.Tensor, sumsq: Optional[torch.Tensor]) -> torch.Tensor:
+    """``acc`` after every term: the whole-concat norm's per-token scale, the bias, the norm
+    after ``fc``, applied in place; returns ``acc``."""
+    if p.norm_before_fc is not None:
+        scale = torch.rsqrt(sumsq / (p.num_captures * p.hidden) + p.norm_before_fc.eps)
+        acc.mul_(scale if acc.dtype == torch.float32 else scale.to(acc.dtype))
+    if p.bias is not None:
+        acc.add_(p.bias.to(acc.dtype))
+    if p.norm_after_fc is not None:
+        acc.copy_(rms_norm(acc, p.norm_after_fc.weight, p.norm_after_fc.eps))
+    return acc
+
+
 class ProjectingAccumulator:
     """Drop-in for the packer when the packed captures exist only to be projected by the
     draft: each capture is projected as it is appended and summed into one
@@ -215,21 +258,14 @@ class ProjectingAccumulator:
             self._acc = hidden.new_zeros((*self._lead, p.out_features), dtype=self.accumulate_dtype or hidden.dtype)
             if p.norm_before_fc is not None:
                 self._sumsq = hidden.new_zeros((*self._lead, 1), dtype=torch.float32)
-        start = k * p.hidden
-        transform = None
-        if p.fc_norms is not None:
-            norm = p.fc_norms[k]
-            transform = lambda x, _: rms_norm(x, norm.weight, norm.eps)  # noqa: E731
-        elif p.norm_before_fc is not None:
-            sum_squares_into_(self._sumsq, hidden, None, "", False)
-            scale = p.norm_before_fc.weight[start:start + p.hidden]
-            transform = lambda x, _: x * scale  # noqa: E731
         if self._acc.dtype == hidden.dtype:
-            # the compiled ops' own arithmetic (ops.project_rows_): one rounding of the running
-            # sum per capture, a norm's temporaries a block of rows at a time
-            project_rows_(self._acc, hidden, p.weight, start, False, transform)
+            # the compiled ops' own arithmetic: one rounding of the running sum per capture
+            accumulate_term_(p, self._acc, self._sumsq, hidden, k, first=False)
         else:
+            if self._sumsq is not None:
+                sum_squares_into_(self._sumsq, hidden, None, "", False)
             rows = hidden.reshape(-1, p.hidden)
+            transform = _term_transform(p, k)
             x = transform(rows, slice(None)) if transform is not None else rows
             self._acc.view(-1, p.out_features).add_(x @ p.block(k).t())
         self._idx += 1
@@ -251,13 +287,13 @@ class ProjectingAccumulator:
         if self._idx != p.num_captures:
             raise AuxCaptureError(f"captured {self._idx} of {p.num_captures} aux hidden states")
         out = self._acc
+        if out.dtype == self._dtype:
+            return finish_(p, out, self._sumsq)
         if self._sumsq is not None:
-            scale = torch.rsqrt(self._sumsq / (p.num_captures * p.hidden) + p.norm_before_fc.eps)
-            out = out.mul_(scale.to(out.dtype)) if out.dtype != torch.float32 else out.mul_(scale)
+            out = out.mul_(torch.rsqrt(self._sumsq / (p.num_captures * p.hidden) + p.norm_before_fc.eps))
         if p.bias is not None:
             out = out.add_(p.bias.to(out.dtype))
-        if out.dtype != self._dtype:
-            out = out.to(self._dtype)
+        out = out.to(self._dtype)
         if p.norm_after_fc is not None:
             out = rms_norm(out, p.norm_after_fc.weight, p.norm_after_fc.eps)
         return out

@@ -32,6 +32,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from compile_pass.integrations.draft_layout import is_rms_norm, plain_fc
 from compile_pass.packer import AuxCaptureError
 from compile_pass.projection import DraftProjection, ProjectingAccumulator
 
@@ -71,27 +72,6 @@ class DraftInput:
 _REGISTERED: Optional[DraftInput] = None
 
 
-def _plain_fc(fc: Any) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], str]:
-    """(weight, bias, "") of an unquantized linear (``nn.Linear`` or SGLang's replicated
-    linear without a quantization method of its own); else (None, None, why not)."""
-    weight = getattr(fc, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return None, None, f"its fc ({type(fc).__name__}) has no 2-D weight"
-    method = getattr(fc, "quant_method", None)
-    if method is not None and type(method).__name__ != "UnquantizedLinearMethod":
-        return None, None, f"its fc is quantized ({type(method).__name__})"
-    if not weight.dtype.is_floating_point or weight.element_size() < 2:
-        return None, None, f"its fc weight is {weight.dtype} (quantized)"
-    bias = getattr(fc, "bias", None)
-    return weight, bias if isinstance(bias, torch.Tensor) else None, ""
-
-
-def _is_rms_norm(norm: Any) -> bool:
-    return (isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.dim() == 1
-            and isinstance(getattr(norm, "variance_epsilon", getattr(norm, "eps", None)), float)
-            and "rms" in type(norm).__name__.lower())
-
-
 def draft_input_of(model: Any) -> Tuple[Optional[DraftInput], str]:
     """The draft input projection of a loaded SGLang draft model, or (None, why not)."""
     modules = list(model.modules()) if isinstance(model, torch.nn.Module) else []
@@ -102,7 +82,7 @@ def draft_input_of(model: Any) -> Tuple[Optional[DraftInput], str]:
         return None, f"{type(model).__name__} has no Eagle3 or DFlash input projection (fc) to take"
     owner = eagle if eagle is not None else dflash
     name = f"{type(owner).__module__}.{type(owner).__qualname__}"
-    weight, bias, why = _plain_fc(owner.fc)
+    weight, bias, why = plain_fc(owner.fc)
     if weight is None:
         return None, f"{name}: {why}"
     try:
@@ -110,7 +90,7 @@ def draft_input_of(model: Any) -> Tuple[Optional[DraftInput], str]:
             k = int(eagle.num_aux_hidden_states)
             norm, chunks = getattr(eagle, "input_norm", None), getattr(eagle, "fc_norm", None)
             for n in ([norm] if norm is not None else []) + list(chunks or []):
-                if not _is_rms_norm(n):
+                if not is_rms_norm(n):
                     return None, f"{name}: its norm before fc is a {type(n).__name__}, not an RMSNorm"
             projection = DraftProjection.build(k, weight, fc_bias=bias, norm_before_fc=norm,
                                                fc_norms=list(chunks) if chunks is not None else None)

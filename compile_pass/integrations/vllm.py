@@ -36,6 +36,7 @@ import threading
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from compile_pass.integrations import vllm_projection
 from compile_pass.integrations.seams import (Patch, PatchSet, Probe, Seam, attribute,
                                              describe_problems, import_module, params, probe,
                                              require, source_of)
@@ -49,12 +50,13 @@ TESTED = ("0.32", "0.33", "0.34")
 logger = logging.getLogger("compile_pass.vllm")
 
 _PATCHES = PatchSet()
+_PROJECTION_PATCHES = PatchSet()
 _LOCK = threading.Lock()
 #: counters of what the plugin did in this process (tests and docs read them)
 stats: Dict[str, int] = {"graphs_rewritten": 0, "groups_rewritten": 0, "rewrite_errors": 0,
                          "cat_views": 0, "cat_copies": 0, "eager_captures": 0,
                          "static_buffers": 0, "piece_passes": 0, "configs_wired": 0,
-                         "distinct_passes": 0}
+                         "distinct_passes": 0, "groups_projected": 0}
 
 
 def enabled() -> bool:
@@ -67,6 +69,11 @@ def untested_allowed() -> bool:
 
 def is_active() -> bool:
     return bool(_PATCHES)
+
+
+def _projecting() -> bool:
+    """Whether the draft-input projection's seams are installed (``COMPILE_PASS_VLLM_PROJECT=1``)."""
+    return bool(_PROJECTION_PATCHES)
 
 
 # ---------------------------------------------------------------- the concat as a view
@@ -93,6 +100,9 @@ class _ViewCatTorch:
             if nd >= 1 and dim in (-1, nd - 1):
                 from compile_pass.packer import packed_view
 
+                if vllm_projection.is_projection(tensors[0]) and all(t.shape[-1] == 0 for t in tensors[1:]):
+                    stats["cat_views"] += 1
+                    return tensors[0]  # the draft's projected input and its [T, 0] stand-ins
                 view = packed_view(tensors)
                 if view is not None:
                     stats["cat_views"] += 1
@@ -154,6 +164,10 @@ def _eager_capture(original: Callable) -> Callable:
                 or not isinstance(aux_hidden_states, list) or len(layers) < 2):
             return original(self, aux_hidden_states, layer_idx, hidden_states, residual)
         k = len(layers)
+        if vllm_projection.draft_name() is not None:
+            projected = _project_capture(self, aux_hidden_states, k, hidden_states, residual)
+            if projected is not None:
+                return projected
         state = self.__dict__.get("_compile_pass_aux")
         if not aux_hidden_states or state is None or state[0] is not aux_hidden_states:
             if aux_hidden_states:  # a list the plugin did not start: leave it to vLLM
@@ -180,15 +194,53 @@ def _eager_capture(original: Callable) -> Callable:
     return _maybe_add_hidden_state
 
 
+def _project_capture(model: Any, aux_hidden_states: list, k: int, hidden_states: Any,
+                     residual: Any) -> Optional[list]:
+    """``COMPILE_PASS_VLLM_PROJECT``: the capture projected into the registered draft's
+    accumulator; the list holds ``[T, 0]`` stand-ins, and the finished projection in its
+    first place after the K-th capture. None: not this forward's list (vLLM's own path)."""
+    import torch
+
+    state = model.__dict__.get("_compile_pass_projected")
+    if state is None or state[0] is not aux_hidden_states:
+        if aux_hidden_states:
+            return None
+        value = hidden_states + residual if residual is not None else hidden_states
+        acc, why = vllm_projection.accumulator_for(k, value)
+        if acc is None:
+            logger.warning("compile_pass vLLM plugin: %s: the captures are packed", why)
+            return None
+        state = (aux_hidden_states, acc)
+        model.__dict__["_compile_pass_projected"] = state
+    else:
+        value = hidden_states + residual if residual is not None else hidden_states
+    acc = state[1]
+    acc.append(value)
+    aux_hidden_states.append(value.new_empty((*value.shape[:-1], 0)))
+    if len(acc) == k:
+        aux_hidden_states[0] = acc.finalize()
+        model.__dict__.pop("_compile_pass_projected", None)
+    stats["eager_captures"] += 1
+    return aux_hidden_states
+
+
 # ---------------------------------------------------------------- rewrite before split
 def _split_ops_of(splitting_ops: Any) -> List[str]:
     return [op for op in (splitting_ops or []) if isinstance(op, str) and "::" in op]
+
+
+def _projected_draft() -> Optional[str]:
+    """The draft name compiled graphs project into (``COMPILE_PASS_VLLM_PROJECT=1``), else None.
+    The name, not the draft: a graph compiled before the draft is built looks it up when run
+    (``compile_pass.draft_registry``) and stays packed if none fits when it is rewritten."""
+    return vllm_projection.DRAFT_NAME if _projecting() else None
 
 
 def _count_rewritten(results: Sequence[Any]) -> int:
     """Add the pass results of graphs the plugin compiled to ``stats``; returns how many of
     their capture groups were rewritten."""
     rewritten = sum(1 for r in results for g in r.groups if g.decision.value == "rewrite")
+    stats["groups_projected"] += sum(1 for r in results for g in r.groups if g.fused)
     stats["graphs_rewritten"] += len(results)
     stats["groups_rewritten"] += rewritten
     return rewritten
@@ -199,7 +251,8 @@ def _rewrite_then_split(original: Callable) -> Callable:
         try:
             from compile_pass import rewrite_graph
 
-            result = rewrite_graph(graph, split_ops=_split_ops_of(splitting_ops), pack_outputs=True)
+            result = rewrite_graph(graph, split_ops=_split_ops_of(splitting_ops), pack_outputs=True,
+                                   project_outputs=_projected_draft())
             rewritten = _count_rewritten([result])
             logger.info("compile_pass: %d capture group(s) rewritten before vLLM's split", rewritten)
         except Exception as e:  # never a failed compile: split the graph as is
@@ -217,9 +270,12 @@ def plugin_hash() -> str:
     """This plugin's identity for cache keys: its own source and the passes' sources."""
     from compile_pass.inductor_pass import source_hash
 
-    with open(os.path.abspath(__file__), "rb") as f:
-        mine = hashlib.sha256(f.read()).hexdigest()
-    return source_hash(f"vllm_plugin:{mine}")
+    mine = hashlib.sha256()
+    for path in (__file__, vllm_projection.__file__):
+        with open(os.path.abspath(path), "rb") as f:
+            mine.update(f.read())
+    # the projection changes what the compiled pieces return: cached pieces must differ
+    return source_hash(f"vllm_plugin:{mine.hexdigest()}:project={_projecting()}")
 
 
 #: the Inductor config slots the plugin fills in ``CompilationConfig.inductor_compile_config``
@@ -352,7 +408,7 @@ class _OneGraphCapture:
         from compile_pass.backend import AuxCaptureBackend
 
         self.inner = inner
-        self.backend = AuxCaptureBackend(inner=inner, pack_outputs=True,
+        self.backend = AuxCaptureBackend(inner=inner, pack_outputs=True, project_outputs=_projected_draft(),
                                          inductor_options=dict(inductor_options))
 
     def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
@@ -616,16 +672,35 @@ def install() -> bool:
         if problems:
             return _off(f"vllm {version}: {problems}")
         n = _PATCHES.apply(probes)
+        if vllm_projection.enabled_by_env():
+            _install_projection()
         absent = [p.seam.name for p in probes if p.state == "absent"]
         logger.info("compile_pass vLLM plugin installed on vllm %s (%d patches%s)", version, n,
                     f"; not in this release: {', '.join(absent)}" if absent else "")
         return True
 
 
+def _install_projection() -> None:
+    """``COMPILE_PASS_VLLM_PROJECT=1``: the projection's seams, if they fit (else a warning
+    naming them, and the captures packed)."""
+    probes = probe(vllm_projection.PROJECTION_SEAMS)
+    problems = describe_problems(probes)
+    if problems:
+        msg = (f"compile_pass vLLM plugin: {vllm_projection.ENV_PROJECT}=1 but {problems}: the captures are "
+               f"packed, not projected")
+        logger.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return
+    n = _PROJECTION_PATCHES.apply(probes)
+    logger.info("compile_pass vLLM plugin: draft-input projection on (%d patches)", n)
+
+
 def uninstall() -> None:
     """Undo every patch (tests)."""
     with _LOCK:
+        _PROJECTION_PATCHES.undo()
         _PATCHES.undo()
+        vllm_projection.clear()
 
 
 def register() -> None:

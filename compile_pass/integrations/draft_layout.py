@@ -1,0 +1,37 @@
+"""What an engine's draft model holds for its input projection, read the same way for every
+engine: an unquantized ``fc`` (its weight and bias) and RMSNorm modules (its norms).
+
+Engine plugins (``sglang_projection``, ``vllm_projection``) find where their engine keeps
+these; this module says whether each fits ``compile_pass.DraftProjection``, and why not.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+
+__all__ = ["plain_fc", "is_rms_norm"]
+
+
+def plain_fc(fc: Any) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], str]:
+    """(weight, bias, "") of an unquantized linear (``nn.Linear``, or an engine's linear
+    whose quantization method is ``UnquantizedLinearMethod``); else (None, None, why not)."""
+    weight = getattr(fc, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None, None, f"its fc ({type(fc).__name__}) has no 2-D weight"
+    method = getattr(fc, "quant_method", None)
+    if method is not None and type(method).__name__ != "UnquantizedLinearMethod":
+        return None, None, f"its fc is quantized ({type(method).__name__})"
+    if not weight.dtype.is_floating_point or weight.element_size() < 2:
+        return None, None, f"its fc weight is {weight.dtype} (quantized)"
+    bias = getattr(fc, "bias", None)
+    return weight, bias if isinstance(bias, torch.Tensor) else None, ""
+
+
+def is_rms_norm(norm: Any) -> bool:
+    """Whether ``norm`` is an RMSNorm module: a 1-D ``weight``, a float eps
+    (``variance_epsilon`` or ``eps``) and "rms" in its class name."""
+    return (isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.dim() == 1
+            and isinstance(getattr(norm, "variance_epsilon", getattr(norm, "eps", None)), float)
+            and "rms" in type(norm).__name__.lower())

@@ -1,0 +1,230 @@
+"""``COMPILE_PASS_VLLM_PROJECT=1`` against the real vllm package (``make vllm``: 0.33.0 and
+0.34.0; skipped without vllm): the draft's combine taken when the draft is built, the
+target's captures projected into one ``[T, H_draft]`` (compiled by vLLM's own stack with
+eager and Inductor pieces, one compile over a symbolic token count; and uncompiled), the
+speculators' concat and the draft's ``combine_hidden_states`` passing it on, the FULL-graph
+buffers and DFlash's staging one ``H_draft`` wide."""
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from compile_pass import ProjectingAccumulator, measure_peak  # noqa: E402
+from compile_pass.integrations import vllm as plugin  # noqa: E402
+from compile_pass.integrations import vllm_projection  # noqa: E402
+from compile_pass.projection import rms_norm  # noqa: E402
+import models.vllm_style as H  # noqa: E402
+
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+CAPTURES = (1, 3, 5, 6, 7)
+K, HIDDEN, H_DRAFT = len(CAPTURES), 256, 192
+
+
+class RMSNorm(nn.Module):
+    """vLLM's RMSNorm as its forward_native computes it (the CPU stand-in)."""
+
+    def __init__(self, width: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(width))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def _vllm_combine():
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+    combine = Eagle3LlamaForCausalLM.combine_hidden_states
+    return getattr(combine, "__wrapped__", combine)
+
+
+class Eagle3Draft(nn.Module):
+    """An Eagle3 draft laid out as vLLM's ``Eagle3LlamaForCausalLM``: ``model.fc``,
+    ``model.input_norm`` (``norm_before_fc``), ``model.fc_norm``; its combine is vLLM's own."""
+
+    def __init__(self, combine: str = "fc", seed: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.model = nn.Module()
+        self.model.use_aux_hidden_state = True
+        self.model.num_aux_hidden_states = K
+        self.model.norm_before_fc = combine == "norm_before_fc"
+        self.model.input_norm = RMSNorm(K * HIDDEN) if self.model.norm_before_fc else None
+        self.model.fc_norm = nn.ModuleList(RMSNorm(HIDDEN) for _ in range(K)) if combine == "fc_norms" else None
+        self.model.fc = nn.Linear(K * HIDDEN, H_DRAFT, bias=False)
+        self.model.fc.weight.data.mul_(4.0)
+
+    def combine_hidden_states(self, hidden_states):
+        from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+        return Eagle3LlamaForCausalLM.combine_hidden_states(self, hidden_states)  # as the plugin left it
+
+
+@pytest.fixture
+def projecting(monkeypatch):
+    plugin.uninstall()
+    monkeypatch.setenv(vllm_projection.ENV_PROJECT, "1")
+    assert plugin.install()
+    assert plugin._projecting()
+    yield
+    plugin.uninstall()
+
+
+def _run_list(backend, caps, x, small, ref):
+    model, run, _ = H.build(backend, capture_at=caps)
+    model.load_state_dict(ref.state_dict())
+    others = [run(s) for s in small]  # the first call compiles (symbolic token count)
+    return run, others
+
+
+@pytest.mark.parametrize("backend,combine", [("eager", "fc"), ("eager", "norm_before_fc"),
+                                             ("eager", "fc_norms"), ("inductor", "norm_before_fc")])
+def test_compiled_target_returns_the_projected_draft_input(projecting, backend, combine):
+    """vLLM's piecewise compile of the target: the graph returns ``[T, H_draft]`` and
+    ``[T, 0]`` stand-ins, bitwise the eager ``ProjectingAccumulator`` over the uncompiled
+    model's captures at every token count; the target's own output bitwise the build
+    without captures; the speculator's cat and the draft's combine pass it on."""
+    draft = Eagle3Draft(combine)
+    assert vllm_projection.register_draft(draft)
+    ref = H.build("none", capture_at=CAPTURES)[0]
+    torch.manual_seed(1)
+    x = torch.randn(300, HIDDEN)
+    small = [torch.randn(n, HIDDEN) for n in (5, 64)]
+    before = plugin.stats["groups_projected"]
+    run, others = _run_list(backend, CAPTURES, x, small, ref)
+    assert plugin.stats["groups_projected"] > before
+    plain = H.build(backend, capture_at=())
+    plain[0].load_state_dict(ref.state_dict())
+    for inp, (h, aux) in zip([*small, x], [*others, run(x)]):
+        with torch.no_grad():
+            rh, raux = ref(inp)
+            acc = ProjectingAccumulator(K, draft.model.fc.weight, norm_before_fc=draft.model.input_norm,
+                                        fc_norms=draft.model.fc_norm)
+            acc.extend(raux)
+            expected = acc.finalize()
+            listed = _vllm_combine()(draft, torch.cat(raux, -1))
+        assert [tuple(a.shape) for a in aux] == [(inp.shape[0], H_DRAFT)] + [(inp.shape[0], 0)] * (K - 1)
+        assert torch.equal(aux[0], expected)
+        torch.testing.assert_close(aux[0], listed, rtol=1e-5, atol=1e-5)  # vLLM's cat, then its combine
+        assert torch.equal(h, rh) and torch.equal(plain[1](inp)[0], rh)
+        spec = __import__("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", fromlist=["x"])
+        drafted = draft.combine_hidden_states(spec.torch.cat(aux, dim=-1))
+        assert drafted.data_ptr() == aux[0].data_ptr()  # no copy, no second fc
+
+
+def test_projected_peak_is_below_the_packed_buffer(projecting):
+    """Overhead above the build without captures, in packed bytes, eager pieces, T=2048:
+    the projected target stays below H_draft/(K*H) plus the sum of squares' column (0.15 +
+    a little), where the packer ends at 1.00."""
+    draft = Eagle3Draft("norm_before_fc")
+    assert vllm_projection.register_draft(draft)
+    ref = H.build("none", capture_at=CAPTURES)[0]
+    x = torch.randn(2048, HIDDEN)
+    peaks = {}
+    for caps in ((), CAPTURES):
+        model, run, _ = H.build("eager", capture_at=caps)
+        model.load_state_dict(ref.state_dict())
+        run(torch.randn(7, HIDDEN))
+
+        def full(x):
+            h, aux = run(x)
+            return h, (draft.combine_hidden_states(torch.cat(aux, -1)) if aux else None)
+
+        peaks[bool(caps)] = measure_peak(full, x).bytes
+    overhead = (peaks[True] - peaks[False]) / (2048 * K * HIDDEN * 4)
+    assert overhead <= H_DRAFT / (K * HIDDEN) + 0.05, overhead
+
+
+def test_uncompiled_target_projects_each_capture(projecting):
+    """``_maybe_add_hidden_state`` outside torch.compile: a stand-in per capture, the
+    finished projection in the list's first place, equal to the eager accumulator."""
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    draft = Eagle3Draft("fc_norms")
+    assert vllm_projection.register_draft(draft)
+
+    class M(EagleModelMixin):
+        aux_hidden_state_layers = (0, 1, 2, 3, 4)
+
+    torch.manual_seed(0)
+    h, r = torch.randn(32, HIDDEN), torch.randn(32, HIDDEN)
+    aux, captured = [], []
+    m = M()
+    for i in range(6):
+        captured.append(h + r)
+        aux = m._maybe_add_hidden_state(aux, i, h, r)
+        h, r = h * 1.5 + 1, r + h
+    acc = ProjectingAccumulator(K, draft.model.fc.weight, fc_norms=draft.model.fc_norm)
+    acc.extend(captured[:K])
+    assert len(aux) == K and torch.equal(aux[0], acc.finalize()) and all(a.shape == (32, 0) for a in aux[1:])
+
+
+def test_full_cudagraph_buffers_and_dflash_staging_are_h_draft_wide(projecting):
+    """FULL CUDA graphs: ``persistent_like`` of the projected outputs is one ``[max, H_draft]``
+    buffer (and zero-byte stand-ins), not K ``[max, H]``; DFlash's staging buffer is
+    ``[rows, H_draft]`` while a draft is registered, and its ``cat(..., out=)`` fills it."""
+    from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+
+    draft = Eagle3Draft()
+    assert vllm_projection.register_draft(draft)
+    mgr = object.__new__(ModelCudaGraphManager)
+    outs = [torch.randn(512, H_DRAFT)] + [torch.empty(512, 0) for _ in range(K - 1)]
+    mgr.aux_hidden_states = [torch.empty_like(x) for x in outs]  # capture()'s allocation
+    assert sum(b.numel() for b in mgr.aux_hidden_states) == 512 * H_DRAFT
+    assert "packed_aux_buffer" not in mgr.__dict__
+    try:
+        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+    except ImportError:
+        return
+    spec = object.__new__(DFlashSpeculator)
+    spec._aux_staging = torch.zeros(64, K * HIDDEN)  # __init__'s allocation
+    assert spec._aux_staging.shape == (64, H_DRAFT)
+    module = __import__("vllm.v1.worker.gpu.spec_decode.dflash.speculator", fromlist=["x"])
+    module.torch.cat([o[:40] for o in outs], dim=-1, out=spec._aux_staging[:40])
+    assert torch.equal(spec._aux_staging[:40], outs[0][:40])
+
+
+def test_draft_classes_are_patched_and_pass_projections_on(projecting):
+    """The real draft classes: ``__init__`` registers, ``combine_hidden_states`` returns an
+    input already ``H_draft`` wide as it is and runs vLLM's combine on anything else."""
+    from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+    assert hasattr(Eagle3LlamaForCausalLM.__init__, "__wrapped__")
+    draft = Eagle3Draft("norm_before_fc")
+    assert vllm_projection.register_draft(draft)
+    projected = torch.randn(9, H_DRAFT)
+    assert Eagle3LlamaForCausalLM.combine_hidden_states(draft, projected) is projected
+    packed = torch.randn(9, K * HIDDEN)
+    torch.testing.assert_close(Eagle3LlamaForCausalLM.combine_hidden_states(draft, packed),
+                               _vllm_combine()(draft, packed))
+
+
+def test_a_draft_not_recognised_is_named_and_packed(projecting):
+    draft = Eagle3Draft("fc_norms")
+    draft.model.fc_norm[1] = nn.LayerNorm(HIDDEN)
+    with pytest.warns(RuntimeWarning, match="LayerNorm, not an RMSNorm"):
+        assert not vllm_projection.register_draft(draft)
+    assert vllm_projection.draft_name() is None
+    q = Eagle3Draft()
+    q.model.fc.weight = nn.Parameter(torch.zeros(H_DRAFT, K * HIDDEN, dtype=torch.int8), requires_grad=False)
+    with pytest.warns(RuntimeWarning, match="quantized"):
+        assert not vllm_projection.register_draft(q)
+
+
+def test_projection_off_by_default(monkeypatch):
+    plugin.uninstall()
+    monkeypatch.delenv(vllm_projection.ENV_PROJECT, raising=False)
+    try:
+        assert plugin.install()
+        assert not plugin._projecting()
+        from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+        assert not hasattr(Eagle3LlamaForCausalLM.combine_hidden_states, "__wrapped__")
+    finally:
+        plugin.uninstall()
