@@ -28,9 +28,10 @@ next one runs, and ``DIR/gpu_check_summary.json`` is rewritten after every step:
    runs the tiny configuration (``DRY_RUN_BENCH_ARGS``); arguments after ``--`` are added
    (later ones win).
 4. ``projection``: ``benchmarks/projection_memory.py`` (``DIR/projection_memory.json``,
-   ``PROJECTION_ARGS``: bf16, K=3 and 8, plain fc and Eagle3's norm before fc, uncompiled
-   and Inductor; on CPU one small row), ``--projection-timeout-s``; the bench step leaves it
-   that time. No CUDA graphs here.
+   ``PROJECTION_ARGS``: bf16, K=3 and 8, plain fc and Eagle3's norm before fc, uncompiled,
+   Inductor, and captured in one CUDA graph (the bytes its pool holds: list / packer /
+   projected); on CPU one small row per execution), ``--projection-timeout-s``; the bench
+   step leaves it that time.
 
 A step past its limit gets SIGINT (pytest then writes its junit XML, the benchmark its
 JSON), and SIGKILL ``--kill-grace-s`` later; each step's process group gets the signals.
@@ -61,12 +62,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ("preflight", "tests", "bench", "projection")
 SUMMARY = "gpu_check_summary.json"
 #: ``benchmarks/projection_memory.py``'s arguments: bf16, K=3 and 8, the plain fc and Eagle3's
-#: norm before fc, uncompiled and under Inductor (list / packer or pass / fused / projected)
+#: norm before fc, uncompiled, under Inductor (list / packer or pass / fused / projected) and
+#: captured in a CUDA graph (the bytes its pool holds: list / packer / projected)
 PROJECTION_ARGS = ["--dtypes", "bfloat16", "--ks", "3,8", "--combines", "plain,norm_before_fc",
-                   "--inners", "module,inductor", "--tokens", "4096", "--scale", "8", "--layers", "12"]
+                   "--inners", "module,inductor,cudagraph", "--tokens", "4096", "--scale", "8", "--layers", "12"]
 #: and on CPU, for the dry run: one small row
 DRY_RUN_PROJECTION_ARGS = ["--dtypes", "float32", "--ks", "3", "--combines", "norm_before_fc",
-                           "--inners", "module,eager", "--tokens", "64", "--scale", "64", "--layers", "4"]
+                           "--inners", "module,eager,cudagraph", "--tokens", "64", "--scale", "64", "--layers", "4"]
 #: the benchmark's arguments for the CPU dry run: the tiny model, a few token counts
 DRY_RUN_BENCH_ARGS = ["--config", "tiny", "--layers", "3", "--tokens", "64,128",
                       "--runner-tokens", "32,64,128", "--dtype", "float32"]

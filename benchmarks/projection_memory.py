@@ -13,7 +13,9 @@ and dtype: the captures collected by the list path (+ cat + combine), the packer
 and projected per capture (``ProjectingAccumulator``), each run uncompiled (``module``); or
 compiled by ``aux_capture`` with an inner: the list path with the pass off (``list``), on
 (``pass``), on with ``fuse_projection`` (``fused``), and the projected collector compiled
-(``projected``). overhead = (peak - peak of the same execution without
+(``projected``); or (``cudagraph``) the uncompiled variants captured in one CUDA graph,
+the peak being the bytes the graph's pool holds (on CPU, the dry run, the forward
+measured as ``module``: ``graph_captured`` false). overhead = (peak - peak of the same execution without
 captures or combine) / packed bytes ``T*K*H``: 1.00 means the packed buffer's bytes, the
 packer's cost. "abs err": max |draft input - the list path's|; "rel err": that / max |the
 list path's|.
@@ -49,10 +51,46 @@ COMPILED_VARIANTS = (("list", "list", {"rewrite": False}), ("pass", "list", {}),
                      ("fused", "list", {"fuse_projection": True}), ("projected", "projected", {}))
 
 
+class GraphPeak:
+    """What a captured CUDA graph holds: the bytes allocated while capturing it (its private
+    pool: every tensor the forward makes, the outputs included), and its replay's outputs."""
+
+    def __init__(self, nbytes: int, result) -> None:
+        self.bytes, self.result = nbytes, result
+
+
+def graph_peak(fn, inputs) -> GraphPeak:
+    """``fn(*inputs)`` captured in a CUDA graph (after two warm-up runs on a side stream) and
+    replayed once. Off CUDA (the dry run) the same forward measured by the profiler."""
+    if inputs[0].device.type != "cuda":
+        return measure_peak(fn, *inputs)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.cuda.graph(graph):
+        out = fn(*inputs)
+    held = torch.cuda.max_memory_allocated() - base
+    graph.replay()
+    torch.cuda.synchronize()
+    result = tuple(t.clone() for t in out)
+    del graph
+    return GraphPeak(held, result)
+
+
 def run_row(cfg, combine, capture, dtype, draft_hidden, inner, inputs, state, options=None):
     model = TargetWithDraftInput(cfg, combine, capture, draft_hidden, dtype=dtype).eval()
     model.load_state_dict(state)
     model.to(inputs[0].device)
+    if inner == "cudagraph":  # the uncompiled forward captured in one CUDA graph
+        with torch.no_grad():
+            return graph_peak(model, inputs)
     fn = model if inner == "module" else torch.compile(
         model, backend=aux_capture_backend(inner, **(options or {})), dynamic=False)
     with torch.no_grad():
@@ -134,7 +172,7 @@ def main() -> None:
                 torch.manual_seed(0)
                 state = TargetWithDraftInput(cfg, combine, "list", draft_hidden, dtype=dtype).state_dict()
                 for inner in args.inners.split(","):
-                    variants = MODULE_VARIANTS if inner == "module" else COMPILED_VARIANTS
+                    variants = MODULE_VARIANTS if inner in ("module", "cudagraph") else COMPILED_VARIANTS
                     peaks = {"none": run_row(cfg, combine, "none", dtype, draft_hidden, inner, inputs, state)}
                     for name, capture, options in variants:
                         peaks[name] = run_row(cfg, combine, capture, dtype, draft_hidden, inner, inputs, state,
@@ -143,6 +181,7 @@ def main() -> None:
                     row = {"device": args.device, "combine": combine, "K": k, "hidden": cfg.hidden_size,
                            "draft_hidden": draft_hidden,
                            "dtype": dtype_name, "tokens": args.tokens, "execution": inner,
+                           "graph_captured": inner == "cudagraph" and args.device == "cuda",
                            "packed_mib": round(packed / 2**20, 2), "gemm_time_ratio": round(ratio, 2)}
                     for name, _, _ in variants:
                         row[f"overhead_{name}"] = round((peaks[name].bytes - peaks["none"].bytes) / packed, 3)

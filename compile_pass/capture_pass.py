@@ -31,7 +31,7 @@ from compile_pass.dataflow import NodeTable, copy_graph, gc_paused, nbytes, op_n
 from compile_pass.find import LAYER_DEPTH, classify_producer, find_capture_groups, find_output_groups, is_dtype_conversion
 from compile_pass.draft_registry import lookup as lookup_draft
 from compile_pass.fuse_projection import FcReader, fc_reading, fuse_into_accumulator, project_into_registered
-from compile_pass.packer import AuxCaptureError
+from compile_pass.errors import AuxCaptureError
 from compile_pass.groups import CaptureGroup, Decision, GroupKind, Producer, Rejection, summarize
 from compile_pass.lift import LiftedBuffers, LiftError, lift_packed_buffers
 from compile_pass.liveness import LivenessModel

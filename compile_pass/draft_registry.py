@@ -24,7 +24,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from compile_pass.packer import AuxCaptureError
+from compile_pass.errors import AuxCaptureError
 from compile_pass.projection import DraftProjection, finish_, project_term_
 
 __all__ = ["DraftSignature", "RegisteredDraft", "register", "unregister", "lookup", "registered_names",

@@ -19,6 +19,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 
+from compile_pass.errors import AuxCaptureError
 from compile_pass.ops import write_slice_
 
 __all__ = [
@@ -33,14 +34,6 @@ __all__ = [
 
 #: What a model hands its caller: one packed ``[*leading, K * hidden]`` tensor or the K captures.
 AuxHiddenStates = Union[torch.Tensor, List[torch.Tensor]]
-
-
-class AuxCaptureError(ValueError, RuntimeError):
-    """A capture does not fit the packer: wrong count, shape, dtype, device or buffer.
-
-    Subclasses both ValueError (bad input) and RuntimeError (what SGLang's packer raises
-    from ``finalize``), so callers written against either keep working.
-    """
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 import torch
 
 from compile_pass.ops import project_rows_, rms_norm, sum_squares_into_  # shared with the pass's ops
-from compile_pass.packer import AuxCaptureError
+from compile_pass.errors import AuxCaptureError
 
 __all__ = ["RMSNormSpec", "DraftProjection", "ProjectingAccumulator", "accumulate_term_", "project_term_", "finish_", "rms_norm"]
 

@@ -205,3 +205,44 @@ def build(backend: str = "eager", cls: type = VllmStyleDecoder, mode: str = "VLL
             return model(*x)
 
     return model, run, config
+
+
+class DraftRMSNorm(nn.Module):
+    """vLLM's RMSNorm as its ``forward_native`` computes it (the CPU stand-in of a draft's norm)."""
+
+    def __init__(self, width: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter((1.0 + 0.1 * torch.randn(width)).to(dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return xf.to(x.dtype) * self.weight
+
+
+class Eagle3Draft(nn.Module):
+    """An Eagle3 draft's input side laid out as vLLM's ``Eagle3LlamaForCausalLM``:
+    ``model.fc`` (``[H_draft, K*hidden]``), ``model.input_norm`` when ``norm_before_fc``,
+    ``model.fc_norm`` (one per capture); ``combine_hidden_states`` is vLLM's own function
+    (as the plugin left it, looked up at each call)."""
+
+    def __init__(self, num_captures: int, hidden: int, h_draft: int, combine: str = "fc",
+                 dtype: torch.dtype = torch.float32, seed: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.model = nn.Module()
+        self.model.use_aux_hidden_state = True
+        self.model.num_aux_hidden_states = num_captures
+        self.model.norm_before_fc = combine == "norm_before_fc"
+        self.model.input_norm = DraftRMSNorm(num_captures * hidden, dtype=dtype) if self.model.norm_before_fc \
+            else None
+        self.model.fc_norm = nn.ModuleList(DraftRMSNorm(hidden, dtype=dtype) for _ in range(num_captures)) \
+            if combine == "fc_norms" else None
+        self.model.fc = nn.Linear(num_captures * hidden, h_draft, bias=False, dtype=dtype)
+        self.model.fc.weight.data.mul_(4.0)
+
+    def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+        return Eagle3LlamaForCausalLM.combine_hidden_states(self, hidden_states)

@@ -170,7 +170,9 @@ def test_dry_run_from_a_clean_copy(clean_copy, tmp_path):
     assert _step(summary, "bench")["rows"]["rows"] == len(rows) == 8
 
     projection = _load(out / "projection_memory.json")["rows"]  # one small row per execution
-    assert [r["execution"] for r in projection] == ["module", "eager"] and _step(summary, "projection")["rows"]
+    assert [r["execution"] for r in projection] == ["module", "eager", "cudagraph"] \
+        and _step(summary, "projection")["rows"]
+    assert not projection[2]["graph_captured"]  # no CUDA here: the CUDA-graph row's forward, measured
     for r in projection:
         assert r["device"] == "cpu" and r["overhead_projected"] < r["overhead_list"]
         assert all(r[k] for k in r if k.startswith("model_equal"))

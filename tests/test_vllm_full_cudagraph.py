@@ -137,3 +137,93 @@ def test_gpu_full_cudagraph_one_static_buffer():
     captures are copied into K column views of one static buffer inside the graph, the
     concat after replay is that buffer's view (no allocation), bitwise the list path's."""
     _check("cuda")
+
+
+# ------------------------------------------------- the draft's input projected (COMPILE_PASS_VLLM_PROJECT)
+H_DRAFT = 48
+
+
+class _Draft(torch.nn.Module):
+    """A draft's input side as vLLM's Eagle3 holds it: ``model.fc``, ``model.input_norm``."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.model = torch.nn.Module()
+        self.model.norm_before_fc = True
+        self.model.input_norm = _RMSNorm(K * H).to(device)
+        self.model.fc = torch.nn.Linear(K * H, H_DRAFT, bias=False).to(device)
+
+    def combine_hidden_states(self, hidden_states):
+        return self.model.fc(self.model.input_norm(hidden_states))
+
+
+class _RMSNorm(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(1.0 + 0.1 * torch.randn(width))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        from compile_pass.projection import rms_norm
+
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def _check_projected(device: str) -> None:
+    """The target compiled with ``project_outputs`` (what the plugin's rewrite before vLLM's
+    split does) under the FULL-graph bookkeeping: vLLM's ``persistent_like`` of each output
+    is one ``[MAX_TOKENS, H_draft]`` buffer (and zero-byte stand-ins), the speculator's
+    concat after replay is that buffer's view, equal bit for bit to the eager accumulator
+    over the list path's captures, and the draft's combine passes it on."""
+    from compile_pass import ProjectingAccumulator
+    from compile_pass.backend import aux_capture_backend
+    from compile_pass.integrations import vllm_projection
+
+    cuda_graph, n = device == "cuda", 100
+    draft = _Draft(device)
+    assert vllm_projection.register_draft(draft)
+    try:
+        model = _Model().to(device)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=aux_capture_backend(
+            "eager", project_outputs=vllm_projection.DRAFT_NAME), dynamic=False)
+        x = torch.zeros(MAX_TOKENS, H, device=device)
+        torch.manual_seed(1)
+        x.copy_(torch.randn(MAX_TOKENS, H))
+        mgr = _PluginManager()
+        with torch.no_grad():
+            mgr.capture(compiled, x, MAX_TOKENS, cuda_graph)
+            torch.manual_seed(2)
+            x.copy_(torch.randn(MAX_TOKENS, H))
+            acc = ProjectingAccumulator.for_draft(K, draft.model.fc, norm_before_fc=draft.model.input_norm)
+            acc.extend(model(x)[1])
+            ref = acc.finalize()[:n]
+            if cuda_graph:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            _, aux = mgr.run_fullgraph(compiled, x, n)
+            drafted = plugin._ViewCatTorch(torch).cat(aux, dim=-1)
+            if cuda_graph:
+                torch.cuda.synchronize()
+                assert torch.cuda.max_memory_allocated() - before == 0
+        static = sum(t.untyped_storage().nbytes() for t in mgr.aux_hidden_states)
+        assert static == MAX_TOKENS * H_DRAFT * 4  # where vLLM keeps K [MAX_TOKENS, H]: MAX_TOKENS * K * H * 4
+        assert [tuple(t.shape) for t in mgr.aux_hidden_states] == [(MAX_TOKENS, H_DRAFT)] + [(MAX_TOKENS, 0)] * (K - 1)
+        assert drafted.data_ptr() == mgr.aux_hidden_states[0].data_ptr() and torch.equal(drafted, ref)
+    finally:
+        vllm_projection.clear()
+        torch._dynamo.reset()
+
+
+def test_full_graph_bookkeeping_projected_cpu():
+    _check_projected("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_gpu_full_cudagraph_projected_one_h_draft_buffer():
+    """A real CUDA graph: the projection ops captured in it, one ``[max, H_draft]`` static
+    buffer, the concat after replay a view of it (0 bytes), bitwise the eager accumulator."""
+    _check_projected("cuda")

@@ -17,24 +17,11 @@ from torch import nn  # noqa: E402
 from compile_pass import ProjectingAccumulator, measure_peak  # noqa: E402
 from compile_pass.integrations import vllm as plugin  # noqa: E402
 from compile_pass.integrations import vllm_projection  # noqa: E402
-from compile_pass.projection import rms_norm  # noqa: E402
 import models.vllm_style as H  # noqa: E402
 
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 CAPTURES = (1, 3, 5, 6, 7)
 K, HIDDEN, H_DRAFT = len(CAPTURES), 256, 192
-
-
-class RMSNorm(nn.Module):
-    """vLLM's RMSNorm as its forward_native computes it (the CPU stand-in)."""
-
-    def __init__(self, width: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(width))
-        self.variance_epsilon = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.variance_epsilon)
 
 
 def _vllm_combine():
@@ -44,26 +31,8 @@ def _vllm_combine():
     return getattr(combine, "__wrapped__", combine)
 
 
-class Eagle3Draft(nn.Module):
-    """An Eagle3 draft laid out as vLLM's ``Eagle3LlamaForCausalLM``: ``model.fc``,
-    ``model.input_norm`` (``norm_before_fc``), ``model.fc_norm``; its combine is vLLM's own."""
-
-    def __init__(self, combine: str = "fc", seed: int = 3) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.model = nn.Module()
-        self.model.use_aux_hidden_state = True
-        self.model.num_aux_hidden_states = K
-        self.model.norm_before_fc = combine == "norm_before_fc"
-        self.model.input_norm = RMSNorm(K * HIDDEN) if self.model.norm_before_fc else None
-        self.model.fc_norm = nn.ModuleList(RMSNorm(HIDDEN) for _ in range(K)) if combine == "fc_norms" else None
-        self.model.fc = nn.Linear(K * HIDDEN, H_DRAFT, bias=False)
-        self.model.fc.weight.data.mul_(4.0)
-
-    def combine_hidden_states(self, hidden_states):
-        from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
-
-        return Eagle3LlamaForCausalLM.combine_hidden_states(self, hidden_states)  # as the plugin left it
+def Eagle3Draft(combine: str = "fc") -> nn.Module:
+    return H.Eagle3Draft(K, HIDDEN, H_DRAFT, combine)
 
 
 @pytest.fixture
@@ -228,3 +197,54 @@ def test_projection_off_by_default(monkeypatch):
         assert not hasattr(Eagle3LlamaForCausalLM.combine_hidden_states, "__wrapped__")
     finally:
         plugin.uninstall()
+
+
+def test_every_draft_class_present_is_patched(projecting):
+    for module, name, optional in vllm_projection.DRAFT_CLASSES:
+        try:
+            cls = getattr(__import__(module, fromlist=[name]), name)
+        except ImportError:
+            assert optional
+            continue
+        assert hasattr(cls.__init__, "__wrapped__") and hasattr(cls.combine_hidden_states, "__wrapped__"), name
+
+
+def test_dflash_draft_passes_a_projection_on(projecting):
+    """vLLM's Qwen3 DFlash combine (``fc`` of the input cast to ``fc.params_dtype``): a
+    projected input passes on; the packed one still goes through vLLM's check and ``fc``."""
+    qwen3_dflash = pytest.importorskip("vllm.model_executor.models.qwen3_dflash")
+    cls = qwen3_dflash.DFlashQwen3ForCausalLM
+
+    class DFlashDraft(nn.Module):
+        combine_hidden_states = cls.combine_hidden_states
+
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.use_aux_hidden_state = True
+            self.model.fc = nn.Linear(K * HIDDEN, H_DRAFT, bias=False)
+            self.model.fc.input_size, self.model.fc.params_dtype = K * HIDDEN, torch.float32
+
+    DFlashDraft.__name__ = DFlashDraft.__qualname__ = "DFlashQwen3ForCausalLM"
+    draft = DFlashDraft()
+    assert vllm_projection.register_draft(draft)
+    projected = torch.randn(7, H_DRAFT)
+    assert draft.combine_hidden_states(projected) is projected
+    packed = torch.randn(7, K * HIDDEN)
+    torch.testing.assert_close(draft.combine_hidden_states(packed), draft.model.fc(packed))
+
+
+def test_laguna_dflash_layout_is_named_not_taken(projecting):
+    """Laguna's DFlash combine norms each slice and the result itself: not taken."""
+    laguna = pytest.importorskip("vllm.model_executor.models.laguna_dflash")
+
+    class LagunaDraft(nn.Module):
+        combine_hidden_states = laguna.DFlashLagunaForCausalLM.combine_hidden_states
+
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.fc = nn.Linear(K * HIDDEN, H_DRAFT, bias=False)
+
+    with pytest.warns(RuntimeWarning, match="a layout the plugin does not take"):
+        assert not vllm_projection.register_draft(LagunaDraft())

@@ -238,10 +238,10 @@ PROJECTION_SEAMS: List[Seam] = [
            change="the draft's combine registered when it is built; an input already H_draft wide passed on",
            reason="vLLM has no hook that hands a draft's fc to the target's capture",
            locate=_locate_draft_class(module, cls, optional), optional=optional,
-           upstream="6 (a draft-input projection at capture)")
+           upstream="")
       for module, cls, optional in DRAFT_CLASSES],
     Seam("vllm.v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator._aux_staging",
          change="a descriptor: the FULL graph's staging buffer is [rows, H_draft] while a draft is registered",
          reason="the buffer is allocated inside __init__", locate=_locate_dflash_staging, optional=True,
-         upstream="6 (a draft-input projection at capture)"),
+         upstream=""),
 ]
