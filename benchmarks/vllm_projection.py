@@ -1,7 +1,15 @@
 """List, packer and projected draft input inside vLLM's own compile stack (CPU), side by side.
 
-    ~/.cache/compile_pass/venv-vllm0.34.0/bin/python benchmarks/vllm_projection.py \\
-        --out docs/results/vllm_projection_0.34.json
+    V=~/.cache/compile_pass/venv-vllm0.34.0/bin
+    $V/python benchmarks/vllm_projection.py --backends eager --ks 3 --combines fc \\
+        --out docs/results/vllm_projection_0.34_eager_k3_fc.json        # one (K, combine) a process
+    $V/python benchmarks/vllm_projection.py --backends inductor --no-engine \\
+        --out docs/results/vllm_projection_0.34_inductor_toy.json
+    $V/python benchmarks/vllm_projection.py --render docs/results/vllm_projection_0.34_*.json
+
+vLLM's compile state keeps every engine build alive (about 4 GB each for the 10-layer rank),
+so a run holds one (K, combine) of the engine rank on a 24 GB machine; the Inductor engine
+rank's compile does not fit it at all (docs/vllm.md).
 
 For each model and K, one process builds the target three times through vLLM's
 ``VllmBackend`` (``@support_torch_compile``, VLLM_COMPILE split at attention, eager or
@@ -78,7 +86,7 @@ def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine):
     head = torch.randn(4096, hidden, generator=torch.Generator().manual_seed(7)).to(dtype)
     for setting in SETTINGS:
         _set(setting)
-        draft = H.Eagle3Draft(k, hidden, hidden, combine, dtype=dtype)
+        draft = H.Eagle3Draft(k, hidden, hidden, combine, dtype=dtype).requires_grad_(False)
         if setting == "projected":
             assert vllm_projection.register_draft(draft)
         t = time.time()
@@ -89,6 +97,7 @@ def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine):
             model.load_state_dict(state, strict=False)
             run(*warm)
 
+            @torch.no_grad()
             def full(*x, run=run):
                 h, aux = run(*x)
                 return h, (draft.combine_hidden_states(_speculator_cat(aux)) if aux else None)
@@ -118,6 +127,8 @@ def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine):
             "seconds": round(time.time() - t, 1),
         })
         print(json.dumps(rows[-1]), flush=True)
+        del draft, outs, h, drafted, diff, tokens
+        gc.collect()
     _set("list")
     return rows
 

@@ -241,6 +241,7 @@ class Eagle3Draft(nn.Module):
             if combine == "fc_norms" else None
         self.model.fc = nn.Linear(num_captures * hidden, h_draft, bias=False, dtype=dtype)
         self.model.fc.weight.data.mul_(4.0)
+        self.requires_grad_(False)  # inference weights, as a loaded vLLM draft's
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM

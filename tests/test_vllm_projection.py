@@ -45,17 +45,19 @@ def projecting(monkeypatch):
     plugin.uninstall()
 
 
-def _run_list(backend, caps, x, small, ref):
-    model, run, _ = H.build(backend, capture_at=caps)
+def _run_list(backend, caps, x, small, ref, mode="VLLM_COMPILE"):
+    model, run, _ = H.build(backend, capture_at=caps, mode=mode)
     model.load_state_dict(ref.state_dict())
     others = [run(s) for s in small]  # the first call compiles (symbolic token count)
     return run, others
 
 
-@pytest.mark.parametrize("backend,combine", [("eager", "fc"), ("eager", "norm_before_fc"),
-                                             ("eager", "fc_norms"), ("inductor", "norm_before_fc")])
-def test_compiled_target_returns_the_projected_draft_input(projecting, backend, combine):
-    """vLLM's piecewise compile of the target: the graph returns ``[T, H_draft]`` and
+@pytest.mark.parametrize("backend,combine,mode", [
+    ("eager", "fc", "VLLM_COMPILE"), ("eager", "norm_before_fc", "VLLM_COMPILE"), ("eager", "fc_norms", "VLLM_COMPILE"),
+    ("inductor", "norm_before_fc", "VLLM_COMPILE"), ("inductor", "fc_norms", "DYNAMO_TRACE_ONCE")])
+def test_compiled_target_returns_the_projected_draft_input(projecting, backend, combine, mode):
+    """vLLM's compile of the target (pieces split at attention, or the one graph of
+    DYNAMO_TRACE_ONCE, vLLM's CPU platform's mode): the graph returns ``[T, H_draft]`` and
     ``[T, 0]`` stand-ins, bitwise the eager ``ProjectingAccumulator`` over the uncompiled
     model's captures at every token count; the target's own output bitwise the build
     without captures; the speculator's cat and the draft's combine pass it on."""
@@ -66,7 +68,7 @@ def test_compiled_target_returns_the_projected_draft_input(projecting, backend, 
     x = torch.randn(300, HIDDEN)
     small = [torch.randn(n, HIDDEN) for n in (5, 64)]
     before = plugin.stats["groups_projected"]
-    run, others = _run_list(backend, CAPTURES, x, small, ref)
+    run, others = _run_list(backend, CAPTURES, x, small, ref, mode)
     assert plugin.stats["groups_projected"] > before
     plain = H.build(backend, capture_at=())
     plain[0].load_state_dict(ref.state_dict())
