@@ -231,7 +231,17 @@ if os.environ.get("PROJECT"):
             _x = torch.cat([_rms(c, n_.weight, 1e-5) for c, n_ in zip(_x.split(_H, -1), _inner.fc_norm)], -1)
         _ref = _inner.fc(_x)
     _got = o3.hidden_states
+    # the width SGLang's draft-extend CUDA-graph runner sizes its static hidden-state buffer
+    # with, through that module's own binding of the function (a draft runner's config)
+    import types
+    import sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner as _dx
+    _runner = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(target_hidden_size=_H, num_aux_hidden_states=K),
+                                           hidden_size=_HD, spec_hidden_size=_HD),
+        spec_algorithm=types.SimpleNamespace(is_eagle3=lambda: True))
+    projected_width = _dx.get_draft_input_from_target_hidden_dim(_runner)
     projected = {"combine": PROJECT, "draft_hidden": _HD, "peak_projected": proj,
+                 "draft_cuda_graph_input_width": projected_width,
                  "overhead_projected": round((proj - base) / packed, 3),
                  "stored_shape": list(_got.shape), "projected_forwards": plugin.STATE["projected"],
                  "max_abs_vs_cat_then_project": float((_got - _ref).abs().max()),

@@ -94,6 +94,7 @@ def test_model_runner_extend_projects_each_capture_for_the_draft(tmp_path, case)
     tokens, draft_hidden = res["tokens"], int(env.get("DRAFT_HIDDEN", env.get("HIDDEN", 256)))
     assert res["model"] == model and res["projected_forwards"] == 1, res
     assert res["stored_shape"] == [tokens, draft_hidden], res
+    assert res["draft_cuda_graph_input_width"] == draft_hidden, res  # the draft's CUDA-graph buffers
     assert res["max_rel_vs_cat_then_project"] < 1e-5, res
     assert res["logits_equal_no_capture_projected"], res
     assert res["overhead_projected"] < res["overhead_on"] <= 1.01, res

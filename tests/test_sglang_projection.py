@@ -164,3 +164,19 @@ def test_the_load_hook_registers_a_draft_workers_model_only():
 def test_the_accumulator_is_the_packers_drop_in():
     acc = sp.DraftInput("eagle3", "x", sp.DraftProjection.build(K, torch.randn(HD, K * H))).accumulator()
     assert isinstance(acc, ProjectingAccumulator) and acc.copies_on_append
+
+
+def test_the_drafts_cuda_graph_buffers_are_sized_for_the_projected_input():
+    """``get_draft_input_from_target_hidden_dim`` sizes the draft's CUDA-graph static
+    hidden-state buffers (draft extend, prefill): K*H becomes H_draft while an Eagle3
+    draft's input is projected; any other width, or no draft, is SGLang's."""
+    def width(model_runner):
+        return model_runner
+
+    assert sp.draft_input_width(width, K * H) == K * H  # nothing registered
+    assert sp.register_draft(Draft(Eagle3Inner("norm_before_fc")))
+    assert sp.draft_input_width(width, K * H) == HD
+    assert sp.draft_input_width(width, H) == H  # a draft that does not read the captures' concat
+    sp.clear()
+    assert sp.register_draft(DFlashDraftModel())
+    assert sp.draft_input_width(width, K * H) == K * H  # DFlash: its own workers' buffers

@@ -60,7 +60,7 @@ from typing import Any, Optional
 import torch
 
 from compile_pass.integrations import list_adoption, sglang_projection
-from compile_pass.integrations.sglang_seams import (AUX_MODULE, COMPILE_CONTEXTS, DFLASH_PROJECT, LOGITS_FORWARD,
+from compile_pass.integrations.sglang_seams import (AUX_MODULE, COMPILE_CONTEXTS, DFLASH_PROJECT, DRAFT_INPUT_WIDTH, LOGITS_FORWARD,
                                                     PACKING_LIST, PLAIN_LIST, RUNNER_FORWARD, RUNNER_LOAD, layout,
                                                     layout_problems, probe_projection, probe_sglang)
 from compile_pass.integrations.sglang_seams import warn as _warn
@@ -401,6 +401,8 @@ def _register_projection(registry: Any, hook_type: Any) -> None:
     registry.register(LOGITS_FORWARD, _logits_forward, hook_type.AROUND)
     if any(p.seam.name == DFLASH_PROJECT and p.state == "ok" for p in probes):
         registry.register(DFLASH_PROJECT, sglang_projection.projected_target_hidden, hook_type.AROUND)
+    if any(p.seam.name == DRAFT_INPUT_WIDTH and p.state == "ok" for p in probes):
+        registry.register(DRAFT_INPUT_WIDTH, sglang_projection.draft_input_width, hook_type.AROUND)
     STATE["project"] = True
     logger.info("compile_pass SGLang plugin: the draft's input is projected as each capture is made (%s)",
                 sglang_projection.ENV_PROJECT)

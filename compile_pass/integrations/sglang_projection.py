@@ -37,7 +37,7 @@ from compile_pass.packer import AuxCaptureError
 from compile_pass.projection import DraftProjection, ProjectingAccumulator
 
 __all__ = ["ENV_PROJECT", "enabled_by_env", "DraftInput", "draft_input_of", "register_draft", "registered",
-           "clear", "accumulator_for", "projected_target_hidden"]
+           "clear", "accumulator_for", "projected_target_hidden", "draft_input_width"]
 
 logger = logging.getLogger("compile_pass.sglang")
 
@@ -154,3 +154,15 @@ def projected_target_hidden(original_fn, self, target_hidden, *args, **kwargs):
             and target_hidden.shape[-1] != draft.projection.weight.shape[1] and hidden in (None, target_hidden.shape[-1])):
         return self.hidden_norm(target_hidden)
     return original_fn(self, target_hidden, *args, **kwargs)
+
+
+def draft_input_width(original_fn, model_runner, *args, **kwargs) -> int:
+    """Around ``get_draft_input_from_target_hidden_dim``: the width of what the draft reads
+    from the target, by which SGLang's CUDA-graph runners size their static buffers. While
+    an Eagle3 draft's input is projected it is ``H_draft``, not ``K*H``."""
+    width = original_fn(model_runner, *args, **kwargs)
+    draft = _REGISTERED
+    if draft is not None and draft.kind == "eagle3" and width == draft.projection.weight.shape[1] \
+            and draft.projection.out_features != width:
+        return draft.projection.out_features
+    return width

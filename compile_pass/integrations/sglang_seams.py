@@ -28,7 +28,7 @@ from compile_pass.integrations.seams import (Patch, Probe, Seam, SeamAbsent, att
 
 __all__ = ["AUX_MODULE", "COMPILE_CONTEXTS", "RUNNER_FORWARD", "LOGITS_STORE", "PIECEWISE_CONTEXT", "PACKING_LIST",
            "PLAIN_LIST", "SEAMS", "TESTED", "is_tested", "layout", "probe_sglang", "sglang_version",
-           "warn", "RUNNER_LOAD", "LOGITS_FORWARD", "DFLASH_PROJECT", "PROJECTION_SEAMS", "probe_projection"]
+           "warn", "RUNNER_LOAD", "LOGITS_FORWARD", "DFLASH_PROJECT", "DRAFT_INPUT_WIDTH", "PROJECTION_SEAMS", "probe_projection"]
 
 logger = logging.getLogger("compile_pass.sglang")
 
@@ -161,6 +161,20 @@ SEAMS: List[Seam] = [
 RUNNER_LOAD = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 LOGITS_FORWARD = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
 DFLASH_PROJECT = "sglang.srt.models.dflash.DFlashDraftModel.project_target_hidden"
+DRAFT_INPUT_WIDTH = "sglang.srt.speculative.eagle_utils.get_draft_input_from_target_hidden_dim"
+
+
+def _locate_function(path: str, params: Sequence[str] = ()):
+    """A locator: ``path`` (module.function) exists and takes ``params``."""
+    def locate() -> List[Patch]:
+        module_name, name = path.rsplit(".", 1)
+        fn = attribute(import_module(module_name, absent_ok=True), name)
+        require(callable(fn), f"{path} is not callable")
+        missing = [p for p in params if p not in inspect.signature(fn).parameters]
+        require(not missing, f"{path} takes no {', '.join(missing)}")
+        return []
+
+    return locate
 
 
 def _locate_method(path: str, params: Sequence[str] = ()):
@@ -189,6 +203,10 @@ PROJECTION_SEAMS: List[Seam] = [
     Seam(DFLASH_PROJECT, change="an around-hook: an input already H_draft wide gets hidden_norm alone",
          reason="the DFlash worker projects the target's captures by calling this method",
          locate=_locate_method(DFLASH_PROJECT, ("target_hidden",)), optional=True),
+    Seam(DRAFT_INPUT_WIDTH, change="an around-hook: K*H -> H_draft while an Eagle3 draft's input is projected",
+         reason="the draft's CUDA-graph runners size their static hidden-state buffers with it "
+                "(draft extend, prefill, multi-layer draft extend)",
+         locate=_locate_function(DRAFT_INPUT_WIDTH, ("model_runner",)), optional=True),
 ]
 
 
