@@ -158,6 +158,43 @@ else:
 off, o1 = run(); h_off = o1.hidden_states.clone()
 from compile_pass.integrations import sglang as plugin
 packed = NREQ * L * _cfg["hidden_size"] * K * 4
+def make_draft():
+    """PROJECT=plain|norm_before_fc|fc_norms: an Eagle3 draft shaped like SGLang's
+    llama_eagle3.LlamaModel (fc, num_aux_hidden_states, input_norm / fc_norm), handed to the
+    plugin as its draft-loading hook hands a loaded draft."""
+    from sglang.srt.layers.layernorm import RMSNorm as _Norm
+    PROJECT, _H = os.environ["PROJECT"], _cfg["hidden_size"]
+    _HD = _env("DRAFT_HIDDEN", _H)
+    class _Eagle3Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(1)
+            self.num_aux_hidden_states = K
+            self.fc = torch.nn.Linear(K * _H, _HD, bias=False)
+            self.input_norm = _Norm(K * _H, eps=1e-5) if PROJECT == "norm_before_fc" else None
+            self.fc_norm = torch.nn.ModuleList(_Norm(_H, eps=1e-5) for _ in range(K)) if PROJECT == "fc_norms" else None
+            with torch.no_grad():
+                self.fc.weight.copy_(torch.randn(_HD, K * _H, generator=g) * (K * _H) ** -0.5)
+                for n_ in [self.input_norm, *(self.fc_norm or [])]:
+                    if n_ is not None:
+                        n_.weight.copy_(1 + 0.1 * torch.randn(n_.weight.shape, generator=g))
+    draft = torch.nn.Module(); draft.model = _Eagle3Inner()
+    return draft.requires_grad_(False)
+
+
+def draft_reference(draft, packed):
+    """What the draft computes from the list path's packed captures (its norms, then fc)."""
+    from compile_pass.ops import rms_norm as _rms
+    inner, hidden = draft.model, _cfg["hidden_size"]
+    with torch.no_grad():
+        x = packed
+        if inner.input_norm is not None:
+            x = _rms(x, inner.input_norm.weight, 1e-5)
+        if inner.fc_norm is not None:
+            x = torch.cat([_rms(c, n_.weight, 1e-5) for c, n_ in zip(x.split(hidden, -1), inner.fc_norm)], -1)
+        return inner.fc(x)
+
+
 if os.environ.get("COMPILE", "0") == "1":
     from types import SimpleNamespace
     from sglang.srt.model_executor.cpu_graph_runner import patch_model, set_torch_compile_config
@@ -191,6 +228,20 @@ if os.environ.get("COMPILE", "0") == "1":
            "logits_on_max_abs_vs_uncompiled": float((oc2.next_token_logits - logits_ref).abs().max()),
            "graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": sum(counters["graph_break"].values()),
            "aux_capture": dict(counters["aux_capture"]), "plugin_inductor": plugin.STATE["inductor"]}
+    if os.environ.get("PROJECT"):
+        # the draft's input projected (COMPILE_PASS_SGLANG_PROJECT): the logits hook's combine
+        # traced into the compiled forward, folded into the captures by fuse_projection
+        from compile_pass.integrations import sglang_projection
+        _draft = make_draft()
+        print("draft registered", sglang_projection.register_draft(_draft))
+        before = counters["aux_capture"].get("groups_projected", 0)
+        cb_p, c_p, oc3 = compiled_peaks()
+        _ref = draft_reference(_draft, h_off)
+        res.update({"combine": os.environ["PROJECT"], "compiled_overhead_projected": round((c_p - cb_p) / packed, 3),
+                    "compiled_stored_shape": list(oc3.hidden_states.shape),
+                    "compiled_groups_projected": counters["aux_capture"].get("groups_projected", 0) - before,
+                    "compiled_max_rel_vs_cat_then_project": float((oc3.hidden_states - _ref).abs().max() / _ref.abs().max()),
+                    "compiled_logits_projected_equal_on": bool(torch.equal(oc3.next_token_logits, oc2.next_token_logits))})
     print(json.dumps(res))
     if len(sys.argv) > 1:
         open(sys.argv[1], "w").write(json.dumps(res, indent=1) + "\n")
@@ -198,38 +249,14 @@ if os.environ.get("COMPILE", "0") == "1":
 print("enable", plugin.enable())
 on, o2 = run(); h_on = o2.hidden_states
 if os.environ.get("PROJECT"):
-    # PROJECT=plain|norm_before_fc|fc_norms: an Eagle3 draft shaped like SGLang's
-    # llama_eagle3.LlamaModel (fc, num_aux_hidden_states, input_norm / fc_norm) handed to the
-    # plugin as its draft-loading hook hands a loaded draft; the same extend once more
+    # the same extend once more, with the draft registered
     from compile_pass.integrations import sglang_projection
-    from compile_pass.ops import rms_norm as _rms
-    from sglang.srt.layers.layernorm import RMSNorm as _Norm
     PROJECT, _H = os.environ["PROJECT"], _cfg["hidden_size"]
     _HD = _env("DRAFT_HIDDEN", _H)
-    class _Eagle3Inner(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            g = torch.Generator().manual_seed(1)
-            self.num_aux_hidden_states = K
-            self.fc = torch.nn.Linear(K * _H, _HD, bias=False)
-            self.input_norm = _Norm(K * _H, eps=1e-5) if PROJECT == "norm_before_fc" else None
-            self.fc_norm = torch.nn.ModuleList(_Norm(_H, eps=1e-5) for _ in range(K)) if PROJECT == "fc_norms" else None
-            with torch.no_grad():
-                self.fc.weight.copy_(torch.randn(_HD, K * _H, generator=g) * (K * _H) ** -0.5)
-                for n_ in [self.input_norm, *(self.fc_norm or [])]:
-                    if n_ is not None:
-                        n_.weight.copy_(1 + 0.1 * torch.randn(n_.weight.shape, generator=g))
-    _draft = torch.nn.Module(); _draft.model = _Eagle3Inner()
+    _draft = make_draft()
     print("draft registered", sglang_projection.register_draft(_draft))
     proj, o3 = run()
-    _inner = _draft.model
-    with torch.no_grad():  # what the draft computes from the list path's packed captures
-        _x = h_off
-        if _inner.input_norm is not None:
-            _x = _rms(_x, _inner.input_norm.weight, 1e-5)
-        if _inner.fc_norm is not None:
-            _x = torch.cat([_rms(c, n_.weight, 1e-5) for c, n_ in zip(_x.split(_H, -1), _inner.fc_norm)], -1)
-        _ref = _inner.fc(_x)
+    _ref = draft_reference(_draft, h_off)
     _got = o3.hidden_states
     # the width SGLang's draft-extend CUDA-graph runner sizes its static hidden-state buffer
     # with, through that module's own binding of the function (a draft runner's config)

@@ -257,7 +257,8 @@ class CaptureGroup:
 
 def summarize(groups: List[CaptureGroup]) -> Dict[str, int]:
     """Counts of groups by decision, for logs and counters."""
-    counts = {"groups_found": len(groups), "groups_rewritten": 0, "groups_rejected": 0}
+    counts = {"groups_found": len(groups), "groups_rewritten": 0, "groups_rejected": 0,
+              "groups_projected": sum(1 for g in groups if g.fused)}
     for g in groups:
         if g.decision is Decision.REWRITE:
             counts["groups_rewritten"] += 1

@@ -356,6 +356,24 @@ def projected_input(aux: Any) -> Optional[torch.Tensor]:
     return acc.finalize()
 
 
+def _project_packed(aux: Any) -> Optional[torch.Tensor]:
+    """The registered Eagle3 draft's combine applied to captures that reached the logits
+    processor unprojected while its input is projected (a forward SGLang compiled, where the
+    list is SGLang's own; a list that fell back), so the draft, whose CUDA-graph buffers are
+    then ``H_draft`` wide, always reads ``[T, H_draft]``. Traced into a compiled forward, the
+    combine reads the captures' concat alone, and the capture pass (``fuse_projection``)
+    folds it into the captures where it can. None where no such draft fits ``aux``."""
+    draft = sglang_projection.registered()
+    if draft is None or draft.kind != "eagle3" or not isinstance(aux, (list, tuple)) \
+            or len(aux) != draft.num_captures:
+        return None
+    p = draft.projection
+    if not all(isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == p.hidden and t.dtype == p.weight.dtype
+               for t in aux):
+        return None
+    return p.reference(torch.cat(list(aux), dim=-1))
+
+
 @functools.lru_cache(maxsize=8)
 def _signature(fn: Any) -> inspect.Signature:
     return inspect.signature(fn)  # read once per wrapped function, not on every forward
@@ -367,7 +385,10 @@ def _logits_forward(original_fn, self, *args, **kwargs):
     captures were; the logits processor slices a tensor by rows as it did the list)."""
     try:
         bound = _signature(original_fn).bind(self, *args, **kwargs)
-        projected = projected_input(bound.arguments.get("aux_hidden_states"))
+        aux = bound.arguments.get("aux_hidden_states")
+        projected = projected_input(aux)
+        if projected is None:
+            projected = _project_packed(aux)
     except Exception as e:  # noqa: BLE001 - never fail the model's forward
         _warn_once(type(self), "logits hook", f"reading the capture list failed ({e!r})")
         projected = None
@@ -428,7 +449,7 @@ def compile_config_patch() -> Optional[Any]:
     try:
         import torch._inductor.config as ic
 
-        from compile_pass.inductor_pass import Build, inductor_pass_set
+        from compile_pass.inductor_pass import AuxCapturePass, Build, inductor_pass_set
     except Exception as e:  # torch without the APIs the pass needs
         _warn(f"the capture pass is not set for --enable-torch-compile ({e!r})")
         return None
@@ -443,7 +464,10 @@ def compile_config_patch() -> Optional[Any]:
               f"TORCHINDUCTOR_LITE_MODE=1?): Inductor would skip the capture pass, so it is not set "
               f"for --enable-torch-compile")
         return None
-    patches = inductor_pass_set(Build.WHOLE_GRAPH).config_patches()
+    # with the draft's input projected, the combine the logits hook traces into the graph
+    # (``_project_packed``) is folded into the captures by ``fuse_projection``
+    capture = AuxCapturePass(fuse_projection=True) if STATE.get("project") else None
+    patches = inductor_pass_set(Build.WHOLE_GRAPH, capture_pass=capture).config_patches()
     STATE["inductor"] = {k: repr(v) for k, v in patches.items()}
     return ic.patch(patches)
 
