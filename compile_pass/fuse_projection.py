@@ -269,23 +269,38 @@ def _eps_args(norm: RMSNormMatch) -> tuple:
     return (0.0, norm.eps) if value is not None else (norm.eps, None)
 
 
-def fuse_into_accumulator(graph: fx.Graph, buffer: fx.Node, fc: FcReader) -> fx.Node:
-    """Turn ``buffer`` (a rewritten group's packed buffer, read by ``fc``'s combine alone)
-    into the projected accumulator in place; return the accumulator node. Raises
-    ``ValueError`` (graph unchanged) where a reader of the buffer is neither a write nor the
-    combine."""
+def _writes_of(graph: fx.Graph, buffer: fx.Node) -> list:
+    """The capture writes into ``buffer`` (``write_slice_`` / ``binary_into_slice_``) in graph
+    order; raises ``ValueError`` if one writes along a dim other than the last."""
     writes = [u for u in buffer.users if u.op == "call_function" and u.target in (_WRITE, _BINARY_INTO)]
-    readers = [u for u in buffer.users if u not in writes]
-    combine = set(fc.between) | {fc.flat or fc.out}
-    if not readers or any(r not in combine for r in readers):
-        raise ValueError(f"the packed buffer is read by {', '.join(u.name for u in readers)}, not only the "
-                         f"draft's combine")
     for write in writes:
         dim = write.args[2] if write.target is _WRITE else write.args[4]
         if dim not in (-1, tensor_value(buffer).dim() - 1):
             raise ValueError("a capture is written along a dim other than the last")
     position = {n: i for i, n in enumerate(graph.nodes)}
-    writes.sort(key=position.__getitem__)
+    return sorted(writes, key=position.__getitem__)
+
+
+def _write_parts(write: fx.Node) -> tuple:
+    """``(a, b, op, start)`` of a capture write: its value is ``a`` or ``op(a, b)``."""
+    if write.target is _WRITE:
+        _, a, _, start = write.args
+        return a, None, "", start
+    _, a, b, op, _, start = write.args
+    return a, b, op, start
+
+
+def fuse_into_accumulator(graph: fx.Graph, buffer: fx.Node, fc: FcReader) -> fx.Node:
+    """Turn ``buffer`` (a rewritten group's packed buffer, read by ``fc``'s combine alone)
+    into the projected accumulator in place; return the accumulator node. Raises
+    ``ValueError`` (graph unchanged) where a reader of the buffer is neither a write nor the
+    combine."""
+    writes = _writes_of(graph, buffer)
+    readers = [u for u in buffer.users if u not in writes]
+    combine = set(fc.between) | {fc.flat or fc.out}
+    if not readers or any(r not in combine for r in readers):
+        raise ValueError(f"the packed buffer is read by {', '.join(u.name for u in readers)}, not only the "
+                         f"draft's combine")
     norms = [m for m in (fc.norm, *fc.chunk_norms) if m is not None]
     inputs = [n for m in norms for n in (m.weight, m.eps) if isinstance(n, fx.Node)]
     for weight in (fc.weight, *inputs):
@@ -303,11 +318,7 @@ def fuse_into_accumulator(graph: fx.Graph, buffer: fx.Node, fc: FcReader) -> fx.
             offset += tensor_value(match.input).shape[-1]
     for i, write in enumerate(writes):
         first = i == 0
-        if write.target is _WRITE:
-            _, a, _, start = write.args
-            b, op = None, ""
-        else:
-            _, a, b, op, _, start = write.args
+        a, b, op, start = _write_parts(write)
         with graph.inserting_before(write):
             if fc.norm is not None:
                 terms = [graph.call_function(_SUM_SQUARES, (sumsq, a, b, op, first), {}),
@@ -359,20 +370,14 @@ def project_into_registered(graph: fx.Graph, buffer: fx.Node, output: fx.Node, i
     accumulator at ``indices[0]`` and an empty ``[*lead, 0]`` at the others. Raises
     ``ValueError`` (graph unchanged) where a reader of the buffer is neither a write nor a
     returned slice."""
-    writes = [u for u in buffer.users if u.op == "call_function" and u.target in (_WRITE, _BINARY_INTO)]
+    writes = _writes_of(graph, buffer)
     returned = output.args[0]
     values = list(returned) if isinstance(returned, (list, tuple)) else [returned]
     slices = [values[i] for i in indices]
     if any(u not in writes and u not in slices for u in buffer.users) or len(writes) != signature.num_captures:
         raise ValueError(f"the packed buffer is read by more than its {signature.num_captures} writes and "
                          f"returned slices")
-    for write in writes:
-        dim = write.args[2] if write.target is _WRITE else write.args[4]
-        if dim not in (-1, tensor_value(buffer).dim() - 1):
-            raise ValueError("a capture is written along a dim other than the last")
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    writes.sort(key=position.__getitem__)
-    starts = [w.args[3] if w.target is _WRITE else w.args[5] for w in writes]
+    starts = [_write_parts(w)[3] for w in writes]
     if sorted(starts) != [k * signature.hidden for k in range(signature.num_captures)]:
         raise ValueError(f"the captures are not written at the starts of {signature.num_captures} "
                          f"{signature.hidden}-wide slices")
@@ -382,11 +387,7 @@ def project_into_registered(graph: fx.Graph, buffer: fx.Node, output: fx.Node, i
     sumsq = (_empty_like_buffer(graph, buffer, 1, torch.float32, "aux_sum_squares")
              if signature.combine == "norm_before_fc" else None)
     for i, write in enumerate(writes):
-        if write.target is _WRITE:
-            _, a, _, start = write.args
-            b, op = None, ""
-        else:
-            _, a, b, op, _, start = write.args
+        a, b, op, start = _write_parts(write)
         index = start // signature.hidden
         with graph.inserting_before(write):
             terms = [graph.call_function(_SUM_SQUARES, (sumsq, a, b, op, i == 0), {})] if sumsq is not None else []
