@@ -55,8 +55,9 @@ def registered():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("inner,combine", [("eager", "fc"), ("eager", "fc_norms"), ("aot_eager", "norm_before_fc"),
-                                           ("inductor", "norm_before_fc")])
+@pytest.mark.parametrize("inner,combine", [
+    ("eager", "fc"), ("eager", "fc_norms"), ("aot_eager", "norm_before_fc"),
+    pytest.param("inductor", "norm_before_fc", marks=[pytest.mark.inductor, pytest.mark.compat])])
 def test_returned_captures_become_the_projected_draft_input(registered, inner, combine):
     """One dynamic compile, two token counts: ``[T, H_draft]`` then ``[T, 0]`` stand-ins,
     bitwise the eager accumulator over the uncompiled captures; the target's output bitwise."""

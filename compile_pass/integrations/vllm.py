@@ -198,23 +198,21 @@ def _project_capture(model: Any, aux_hidden_states: list, k: int, hidden_states:
                      residual: Any) -> Optional[list]:
     """``COMPILE_PASS_VLLM_PROJECT``: the capture projected into the registered draft's
     accumulator; the list holds ``[T, 0]`` stand-ins, and the finished projection in its
-    first place after the K-th capture. None: not this forward's list (vLLM's own path)."""
-    import torch
-
+    first place after the K-th capture. None: vLLM's own list, or a target that does not
+    fit the draft (named in one warning per model; its captures are packed)."""
     state = model.__dict__.get("_compile_pass_projected")
     if state is None or state[0] is not aux_hidden_states:
-        if aux_hidden_states:
+        if aux_hidden_states or model.__dict__.get("_compile_pass_not_projected"):
             return None
-        value = hidden_states + residual if residual is not None else hidden_states
-        acc, why = vllm_projection.accumulator_for(k, value)
+        acc, why = vllm_projection.accumulator_for(k, hidden_states)
         if acc is None:
+            model.__dict__["_compile_pass_not_projected"] = why
             logger.warning("compile_pass vLLM plugin: %s: the captures are packed", why)
             return None
         state = (aux_hidden_states, acc)
         model.__dict__["_compile_pass_projected"] = state
-    else:
-        value = hidden_states + residual if residual is not None else hidden_states
     acc = state[1]
+    value = hidden_states + residual if residual is not None else hidden_states
     acc.append(value)
     aux_hidden_states.append(value.new_empty((*value.shape[:-1], 0)))
     if len(acc) == k:

@@ -108,7 +108,7 @@ def register_draft(draft: Any) -> bool:
     draft_registry.register(DRAFT_NAME, owner, resolve)
     _OWNER = weakref.ref(draft)
     logger.info("compile_pass vLLM plugin: draft %s registered: each capture projected into [T, %d]",
-                owner, draft.model.fc.weight.shape[0])
+                owner, _fc_weight().shape[0] if _fc_weight() is not None else -1)
     return True
 
 
@@ -141,12 +141,17 @@ def accumulator_for(num_captures: int, first: torch.Tensor) -> Tuple[Optional[Pr
                                  fc_norms=p.fc_norms), ""
 
 
+def _fc_weight() -> Optional[torch.Tensor]:
+    """The registered draft's ``fc`` weight now (None: no draft, or no 2-D weight)."""
+    weight = getattr(getattr(getattr(_owner(), "model", None), "fc", None), "weight", None)
+    return weight if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
 def is_projection(t: Any) -> bool:
     """Whether ``t`` is ``[*, H_draft]`` of the registered draft (not its ``K*H`` input)."""
-    owner = _owner()
-    if owner is None or not isinstance(t, torch.Tensor) or t.dim() < 1:
+    weight = _fc_weight()
+    if weight is None or not isinstance(t, torch.Tensor) or t.dim() < 1:
         return False
-    weight = owner.model.fc.weight
     return t.shape[-1] == weight.shape[0] != weight.shape[1]
 
 
@@ -186,9 +191,8 @@ class _ProjectedStaging:
         if obj is None:
             return self
         staging = obj.__dict__.get(self.name)
-        draft = _owner()
-        if isinstance(staging, torch.Tensor) and draft is not None:
-            weight = draft.model.fc.weight
+        weight = _fc_weight()
+        if isinstance(staging, torch.Tensor) and weight is not None:
             if staging.shape[-1] == weight.shape[1] != weight.shape[0]:
                 staging = staging.new_zeros((*staging.shape[:-1], weight.shape[0]))
                 obj.__dict__[self.name] = staging
