@@ -56,9 +56,9 @@ class DraftSignature:
 
 
 class RegisteredDraft:
-    """A draft by name: ``resolve(K)`` builds its ``DraftProjection`` from its current
-    weights (``owner`` names it in messages). The projection is rebuilt when a weight's
-    storage changes (a loader that replaces parameters)."""
+    """A draft by name: ``resolve(K)`` builds its ``DraftProjection`` from its weights as they
+    are at each call, so a loader that replaces a parameter after registration is followed
+    (``owner`` names the draft in messages)."""
 
     def __init__(self, name: str, owner: str, resolve: Callable[[int], DraftProjection]) -> None:
         self.name, self.owner, self._resolve = name, owner, resolve
@@ -78,7 +78,7 @@ class RegisteredDraft:
         if p.hidden != hidden:
             return None, (f"the captures are {hidden} wide, the draft {self.owner}'s fc reads "
                           f"{num_captures} x {p.hidden}")
-        if p.weight.dtype != dtype or p.weight.device.type != device.type:
+        if p.weight.dtype != dtype or p.weight.device != device:
             return None, (f"the captures are {dtype} on {device}, the draft {self.owner}'s fc "
                           f"{p.weight.dtype} on {p.weight.device}")
         return DraftSignature.of(p), ""
