@@ -74,7 +74,7 @@ class RegisteredDraft:
         try:
             p = self.projection(num_captures)
         except (AuxCaptureError, TypeError, ValueError) as e:
-            return None, f"the draft {self.owner} does not take {num_captures} captures: {e}"
+            return None, f"the draft's projection of {num_captures} captures cannot be built ({e})"
         if p.hidden != hidden:
             return None, (f"the captures are {hidden} wide, the draft {self.owner}'s fc reads "
                           f"{num_captures} x {p.hidden}")

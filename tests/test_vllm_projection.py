@@ -250,3 +250,22 @@ def test_laguna_dflash_layout_is_named_not_taken(projecting):
 
     with pytest.warns(RuntimeWarning, match="a layout the plugin does not take"):
         assert not vllm_projection.register_draft(LagunaDraft())
+
+
+def test_a_draft_whose_fc_weight_is_gone_leaves_the_target_packed_and_says_so(projecting):
+    """vLLM's CPU build repacks ``fc`` for oneDNN after loading and leaves an empty weight
+    (``dispatch_cpu_unquantized_gemm(remove_weight=True)``): the draft registered at
+    construction no longer has columns to split. The compiled target stays packed (the
+    speculator's concat a view of the packed captures) and one warning names why."""
+    draft = Eagle3Draft()
+    assert vllm_projection.register_draft(draft)
+    draft.model.fc.weight = nn.Parameter(torch.empty(0), requires_grad=False)  # after loading, on CPU
+    ref = H.build("none", capture_at=CAPTURES)[0]
+    x = torch.randn(40, HIDDEN)
+    with pytest.warns(RuntimeWarning, match="packed, not projected: .*has no 2-D weight"):
+        run, _ = _run_list("eager", CAPTURES, x, [x[:5]], ref)
+    h, aux = run(x)
+    with torch.no_grad():
+        rh, raux = ref(x)
+    assert [tuple(a.shape) for a in aux] == [(40, HIDDEN)] * K and torch.equal(h, rh)
+    assert all(torch.equal(a, b) for a, b in zip(aux, raux))

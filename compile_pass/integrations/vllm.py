@@ -234,11 +234,29 @@ def _projected_draft() -> Optional[str]:
     return vllm_projection.DRAFT_NAME if _projecting() else None
 
 
+_NOT_PROJECTED: set = set()
+
+
+def _warn_once_not_projected(why: str) -> None:
+    """``COMPILE_PASS_VLLM_PROJECT=1`` but a returned capture group was packed, not projected:
+    one warning per reason."""
+    if why in _NOT_PROJECTED:
+        return
+    _NOT_PROJECTED.add(why)
+    msg = f"compile_pass vLLM plugin: the captures are packed, not projected: {why or 'no draft registered'}"
+    logger.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+
 def _count_rewritten(results: Sequence[Any]) -> int:
     """Add the pass results of graphs the plugin compiled to ``stats``; returns how many of
     their capture groups were rewritten."""
     rewritten = sum(1 for r in results for g in r.groups if g.decision.value == "rewrite")
     stats["groups_projected"] += sum(1 for r in results for g in r.groups if g.fused)
+    if _projecting():
+        for g in (g for r in results for g in r.groups if g.decision.value == "rewrite" and not g.fused
+                  and g.kind.value == "outputs"):
+            _warn_once_not_projected(g.projection)
     stats["graphs_rewritten"] += len(results)
     stats["groups_rewritten"] += rewritten
     return rewritten
@@ -699,6 +717,7 @@ def uninstall() -> None:
         _PROJECTION_PATCHES.undo()
         _PATCHES.undo()
         vllm_projection.clear()
+        _NOT_PROJECTED.clear()
 
 
 def register() -> None:

@@ -39,8 +39,8 @@ import torch
 
 from compile_pass import draft_registry
 from compile_pass.integrations.draft_layout import is_rms_norm, plain_fc
-from compile_pass.integrations.seams import (Patch, Seam, attribute, import_module, params, require,
-                                             source_of)
+from compile_pass.integrations.seams import (Patch, Seam, SeamAbsent, attribute, import_module, params,
+                                             require, source_of)
 from compile_pass.packer import AuxCaptureError
 from compile_pass.projection import DraftProjection, ProjectingAccumulator
 
@@ -229,6 +229,8 @@ def _locate_draft_class(module_name: str, class_name: str, optional: bool) -> Ca
 def _locate_dflash_staging() -> List[Patch]:
     spec = attribute(import_module("vllm.v1.worker.gpu.spec_decode.dflash.speculator", absent_ok=True),
                      "DFlashSpeculator")
+    if "_aux_staging" not in source_of(spec):
+        raise SeamAbsent("this DFlashSpeculator stages no captures for FULL graphs (no _aux_staging)")
     require("self._aux_staging = torch.zeros(" in source_of(spec.__init__),
             "DFlashSpeculator.__init__ no longer allocates self._aux_staging")
     require("out=self._aux_staging[" in source_of(spec), "DFlashSpeculator no longer stages the captures "
