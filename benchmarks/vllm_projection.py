@@ -98,7 +98,7 @@ def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine):
             run(*warm)
 
             @torch.no_grad()
-            def full(*x, run=run):
+            def full(*x, run=run, draft=draft):
                 h, aux = run(*x)
                 return h, (draft.combine_hidden_states(_speculator_cat(aux)) if aux else None)
 

@@ -11,7 +11,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-__all__ = ["plain_fc", "is_rms_norm"]
+__all__ = ["plain_fc", "is_rms_norm", "not_rms_norm"]
 
 
 def plain_fc(fc: Any) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], str]:
@@ -35,3 +35,12 @@ def is_rms_norm(norm: Any) -> bool:
     return (isinstance(getattr(norm, "weight", None), torch.Tensor) and norm.weight.dim() == 1
             and isinstance(getattr(norm, "variance_epsilon", getattr(norm, "eps", None)), float)
             and "rms" in type(norm).__name__.lower())
+
+
+def not_rms_norm(norms: Any) -> str:
+    """Why the draft's norms before ``fc`` (an iterable, ``None`` entries skipped) do not fit:
+    the first that is not an RMSNorm, named; "" when all are."""
+    for norm in norms:
+        if norm is not None and not is_rms_norm(norm):
+            return f"its norm before fc is a {type(norm).__name__}, not an RMSNorm"
+    return ""

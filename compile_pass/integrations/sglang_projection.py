@@ -32,7 +32,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from compile_pass.integrations.draft_layout import is_rms_norm, plain_fc
+from compile_pass.integrations.draft_layout import not_rms_norm, plain_fc
 from compile_pass.packer import AuxCaptureError
 from compile_pass.projection import DraftProjection, ProjectingAccumulator
 
@@ -89,9 +89,9 @@ def draft_input_of(model: Any) -> Tuple[Optional[DraftInput], str]:
         if eagle is not None:
             k = int(eagle.num_aux_hidden_states)
             norm, chunks = getattr(eagle, "input_norm", None), getattr(eagle, "fc_norm", None)
-            for n in ([norm] if norm is not None else []) + list(chunks or []):
-                if not is_rms_norm(n):
-                    return None, f"{name}: its norm before fc is a {type(n).__name__}, not an RMSNorm"
+            why = not_rms_norm([norm, *(chunks or [])])
+            if why:
+                return None, f"{name}: {why}"
             projection = DraftProjection.build(k, weight, fc_bias=bias, norm_before_fc=norm,
                                                fc_norms=list(chunks) if chunks is not None else None)
             return DraftInput("eagle3", name, projection, norm, list(chunks) if chunks is not None else None), ""

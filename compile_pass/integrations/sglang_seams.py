@@ -164,25 +164,15 @@ DFLASH_PROJECT = "sglang.srt.models.dflash.DFlashDraftModel.project_target_hidde
 DRAFT_INPUT_WIDTH = "sglang.srt.speculative.eagle_utils.get_draft_input_from_target_hidden_dim"
 
 
-def _locate_function(path: str, params: Sequence[str] = ()):
-    """A locator: ``path`` (module.function) exists and takes ``params``."""
+def _locate_callable(path: str, params: Sequence[str] = (), method: bool = True):
+    """A locator: ``path`` (``module.Class.method``, or ``module.function`` with
+    ``method=False``) exists and takes ``params``."""
     def locate() -> List[Patch]:
-        module_name, name = path.rsplit(".", 1)
-        fn = attribute(import_module(module_name, absent_ok=True), name)
-        require(callable(fn), f"{path} is not callable")
-        missing = [p for p in params if p not in inspect.signature(fn).parameters]
-        require(not missing, f"{path} takes no {', '.join(missing)}")
-        return []
-
-    return locate
-
-
-def _locate_method(path: str, params: Sequence[str] = ()):
-    """A locator: ``path`` (module.Class.method) exists and takes ``params``."""
-    def locate() -> List[Patch]:
-        module_name, cls_name, method = path.rsplit(".", 2)
-        cls = attribute(import_module(module_name, absent_ok=True), cls_name)
-        fn = getattr(cls, method, None)
+        parts = path.rsplit(".", 2 if method else 1)
+        owner = import_module(parts[0], absent_ok=True)
+        for name in parts[1:-1]:
+            owner = attribute(owner, name)
+        fn = getattr(owner, parts[-1], None)
         require(callable(fn), f"{path} is missing")
         missing = [p for p in params if p not in inspect.signature(fn).parameters]
         require(not missing, f"{path} takes no {', '.join(missing)}")
@@ -195,18 +185,18 @@ def _locate_method(path: str, params: Sequence[str] = ()):
 PROJECTION_SEAMS: List[Seam] = [
     Seam(RUNNER_LOAD, change="an around-hook: a draft worker's loaded model hands its fc (and norms) over",
          reason="the draft's weights exist only once its model runner has loaded them",
-         locate=_locate_method(RUNNER_LOAD)),
+         locate=_locate_callable(RUNNER_LOAD)),
     Seam(LOGITS_FORWARD, change="an around-hook: a capture list whose captures were projected is "
                                 "replaced by the projected [T, H_draft] tensor",
          reason="the logits processor is where the captures leave the target for the draft",
-         locate=_locate_method(LOGITS_FORWARD, ("aux_hidden_states",))),
+         locate=_locate_callable(LOGITS_FORWARD, ("aux_hidden_states",))),
     Seam(DFLASH_PROJECT, change="an around-hook: an input already H_draft wide gets hidden_norm alone",
          reason="the DFlash worker projects the target's captures by calling this method",
-         locate=_locate_method(DFLASH_PROJECT, ("target_hidden",)), optional=True),
+         locate=_locate_callable(DFLASH_PROJECT, ("target_hidden",)), optional=True),
     Seam(DRAFT_INPUT_WIDTH, change="an around-hook: K*H -> H_draft while an Eagle3 draft's input is projected",
          reason="the draft's CUDA-graph runners size their static hidden-state buffers with it "
                 "(draft extend, prefill, multi-layer draft extend)",
-         locate=_locate_function(DRAFT_INPUT_WIDTH, ("model_runner",)), optional=True),
+         locate=_locate_callable(DRAFT_INPUT_WIDTH, ("model_runner",), method=False), optional=True),
 ]
 
 

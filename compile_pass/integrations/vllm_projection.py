@@ -38,7 +38,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from compile_pass import draft_registry
-from compile_pass.integrations.draft_layout import is_rms_norm, plain_fc
+from compile_pass.integrations.draft_layout import not_rms_norm, plain_fc
 from compile_pass.integrations.seams import (Patch, Seam, SeamAbsent, attribute, import_module, params,
                                              require, source_of)
 from compile_pass.packer import AuxCaptureError
@@ -80,9 +80,9 @@ def projection_of(draft: Any) -> Tuple[Optional[Callable[[int], DraftProjection]
         return None, f"{name}: {why}"
     before = inner.input_norm if getattr(inner, "norm_before_fc", False) else None
     chunks = list(inner.fc_norm) if getattr(inner, "fc_norm", None) is not None else None
-    for norm in ([before] if before is not None else []) + (chunks or []):
-        if not is_rms_norm(norm):
-            return None, f"{name}: its norm before fc is a {type(norm).__name__}, not an RMSNorm"
+    why = not_rms_norm([before, *(chunks or [])])
+    if why:
+        return None, f"{name}: {why}"
 
     def resolve(num_captures: int) -> DraftProjection:
         weight, bias, why = plain_fc(inner.fc)
@@ -107,8 +107,9 @@ def register_draft(draft: Any) -> bool:
     owner = f"{type(draft).__module__}.{type(draft).__qualname__}"
     draft_registry.register(DRAFT_NAME, owner, resolve)
     _OWNER = weakref.ref(draft)
-    logger.info("compile_pass vLLM plugin: draft %s registered: each capture projected into [T, %d]",
-                owner, _fc_weight().shape[0] if _fc_weight() is not None else -1)
+    weight = _fc_weight()
+    logger.info("compile_pass vLLM plugin: draft %s registered: each capture projected into [T, %s]",
+                owner, weight.shape[0] if weight is not None else "?")
     return True
 
 
