@@ -75,15 +75,18 @@ def test_enable_torch_compile_forward_plugin_on_equals_off(tmp_path):
 
 
 def test_enable_torch_compile_forward_hands_the_draft_its_projected_input(tmp_path):
-    """COMPILE_PASS_SGLANG_PROJECT=1 and SGLang's compiled model.forward (where the capture
-    list is SGLang's own, traced by Dynamo): the logits hook applies the draft's combine, so
-    the draft, whose CUDA-graph buffers are H_draft wide with the option, reads [T, H_draft]
-    from compiled batches too; within rounding of the draft's own cat-then-project, logits as
-    without the option."""
+    """COMPILE_PASS_SGLANG_PROJECT=1 and SGLang's compiled model.forward: the packing list,
+    traced by Dynamo in each graph SGLang's CPU build breaks the forward into, projects each
+    capture as it is made, so the draft, whose CUDA-graph buffers are H_draft wide with the
+    option, reads [T, H_draft] from compiled batches too, within rounding of the draft's own
+    cat-then-project; logits as without the option; the compiled batch's capture overhead is
+    the accumulator's H_draft / (K*H) of the packed bytes, where the packer's is 1.00."""
     res = _bench(tmp_path, COMPILE="1", PROJECT="norm_before_fc", K="3", LAYERS="4", NREQ="2", LEN="256")
     assert res["compiled_stored_shape"] == [res["tokens"], 256], res
     assert res["compiled_max_rel_vs_cat_then_project"] < 1e-5, res
     assert res["compiled_logits_projected_equal_on"] and res["on_vs_off_bitwise"], res
+    assert res["compiled_overhead_on"] >= 0.99, res  # the packer, compiled
+    assert res["compiled_overhead_projected"] <= 256 / (3 * 256) + 0.02, res
 
 
 #: case: (benchmark environment, model class) for COMPILE_PASS_SGLANG_PROJECT

@@ -133,10 +133,11 @@ def test_without_a_fitting_draft_the_list_packs():
     assert plugin.projected_input(lst) is None
     assert torch.equal(torch.cat(list(lst), -1), torch.cat(captures, -1))
     assert sp.register_draft(Draft(Eagle3Inner()))
-    acc, why = sp.accumulator_for(K + 1, captures[0])
-    assert acc is None and f"captures {K + 1} layers" in why
-    acc, why = sp.accumulator_for(K, captures[0].double())
-    assert acc is None and "float64" in why
+    plan, why = sp.plan_for(K + 1, captures[0])
+    assert plan is None and f"captures {K + 1} layers" in why
+    plan, why = sp.plan_for(K, captures[0].double())
+    assert plan is None and "float64" in why
+    assert sp.plan_for(None, captures[0])[0] == sp.capture_plan()  # K unknown: the draft's, checked at the end
 
 
 def test_dflash_skips_its_projection_for_a_projected_input():
@@ -180,3 +181,129 @@ def test_the_drafts_cuda_graph_buffers_are_sized_for_the_projected_input():
     sp.clear()
     assert sp.register_draft(DFlashDraftModel())
     assert sp.draft_input_width(width, K * H) == K * H  # DFlash: its own workers' buffers
+
+
+def _list_class():
+    return plugin._make_list_class(type("AuxHiddenStateList", (list,), {
+        "capture": lambda self, h, owned=False: self.append(h if owned else h.clone())}))
+
+
+def _logits_forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None):
+    return aux_hidden_states  # what the logits processor would store for the draft
+
+
+@pytest.mark.parametrize("combine", ["plain", "norm_before_fc", "fc_norms"])
+@pytest.mark.parametrize("where", ["layer graphs", "one graph"])
+def test_a_forward_dynamo_traces_projects_each_capture_as_the_eager_list_does(combine, where):
+    """--enable-torch-compile: the captures are projected by the same ops inside the graphs
+    Dynamo traces (each layer its own graph, the layer loop eager, as SGLang's CPU build
+    breaks; or the whole forward, list and logits hook included, one graph); the draft's
+    input equals the eager list's bit for bit and the list keeps no capture's bytes."""
+    inner = Eagle3Inner(combine)
+    assert sp.register_draft(Draft(inner))
+    plugin.STATE["project"] = True
+    cls = _list_class()
+    x0 = torch.randn(7, H)
+
+    def layer(x, capture):
+        y = torch.sin(x) * 1.5 + x
+        capture(y)
+        return y
+
+    def forward(x, layer_fn):
+        aux, h = cls(), x
+        for _ in range(K):
+            h = layer_fn(h, aux.capture)
+        return h, plugin._logits_forward(_logits_forward, None, None, None, None, None, aux), aux
+
+    torch._dynamo.reset()
+    eager_h, eager_input, eager_aux = forward(x0, layer)
+    if where == "layer graphs":
+        h, projected, aux = forward(x0, torch.compile(layer, backend="aot_eager", fullgraph=True))
+        assert all(e.shape == (7, 0) for e in aux)
+    else:
+        h, projected = torch.compile(lambda x: forward(x, layer)[:2], backend="aot_eager", fullgraph=True)(x0)
+    assert torch.equal(h, eager_h) and projected.shape == (7, HD)
+    assert torch.equal(projected, eager_input)
+    assert all(e.shape == (7, 0) for e in eager_aux)
+    if combine == "plain":  # the draft's own cat-then-fc of the same captures
+        captures = []
+        forward(x0, lambda x, _: layer(x, captures.append))
+        torch.testing.assert_close(projected, inner.fc(torch.cat(captures, -1)), rtol=1e-5, atol=1e-5)
+
+
+def test_inductor_compiled_layers_project_bitwise_equal_to_the_eager_list():
+    inner = Eagle3Inner("norm_before_fc")
+    assert sp.register_draft(Draft(inner))
+    plugin.STATE["project"] = True
+    cls = _list_class()
+
+    def layer(x, capture):
+        y = x * 2 + 1
+        capture(y)
+        return torch.tanh(y)
+
+    def forward(layer_fn):
+        aux, h = cls(), torch.linspace(-1, 1, 5 * H).reshape(5, H)
+        for _ in range(K):
+            h = layer_fn(h, aux.capture)
+        return plugin.projected_input(aux)
+
+    torch._dynamo.reset()
+    assert torch.equal(forward(torch.compile(layer, fullgraph=True)), forward(layer))
+
+
+def test_a_projection_left_incomplete_or_overrun_is_a_clear_error():
+    assert sp.register_draft(Draft(Eagle3Inner()))
+    plugin.STATE["project"] = True
+    lst, _ = _packing_list(K - 1)  # K-1 captures: the draft reads K
+    with pytest.raises(plugin.AuxCaptureError, match=f"captured {K - 1} hidden states.*reads {K}"):
+        plugin._logits_forward(_logits_forward, None, None, None, None, None, lst)
+    lst, _ = _packing_list(K)
+    with pytest.raises(plugin.AuxCaptureError, match=f"capture {K} .*does not fit"):
+        lst.capture(torch.randn(5, H))
+    lst, _ = _packing_list(1)
+    with pytest.raises(plugin.AuxCaptureError, match="capture 1 .*first capture"):
+        lst.capture(torch.randn(6, H))
+
+
+def test_k_comes_from_the_configured_model_where_model_runner_forward_is_bypassed():
+    """SGLang's CUDA-graph runners call ``model.forward`` themselves: K is that of the model
+    ``configure_aux_hidden_state_capture`` set capture layers on."""
+    class Target(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers_to_capture = []
+
+        def set_eagle3_layers_to_capture(self, ids):
+            self.layers_to_capture = list(ids)
+
+    def configure(*, model, eagle_use_aux_hidden_state, eagle_aux_hidden_state_layer_ids, **_):
+        if eagle_use_aux_hidden_state:
+            model.set_eagle3_layers_to_capture(eagle_aux_hidden_state_layer_ids)
+
+    target = Target()
+    plugin._capturing_models.clear()
+    assert plugin._configured_k() is None
+    plugin._configure_capture(configure, model=target, eagle_use_aux_hidden_state=True,
+                              eagle_aux_hidden_state_layer_ids=[1, 2, 3, 4], dflash_use_aux_hidden_state=False)
+    plugin._configure_capture(configure, model=nn.Linear(2, 2), eagle_use_aux_hidden_state=False,
+                              eagle_aux_hidden_state_layer_ids=None, dflash_use_aux_hidden_state=False)
+    assert plugin._configured_k() == 4
+    lst = _list_class()()
+    for _ in range(4):  # no ModelRunner.forward around: packed with K=4 all the same
+        lst.capture(torch.randn(3, H))
+    assert plugin.pack_view(lst).shape == (3, 4 * H) and lst._cp_packer is not None
+    plugin._capturing_models.clear()
+
+
+def test_the_draft_is_registered_by_name_for_the_capture_ops():
+    from compile_pass import draft_registry
+
+    assert sp.register_draft(Draft(Eagle3Inner("fc_norms")))
+    draft = draft_registry.lookup(sp.REGISTRY_NAME)
+    assert draft.projection(K).fc_norms is not None
+    with pytest.raises(plugin.AuxCaptureError, match=f"reads {K} captures, not {K + 1}"):
+        draft.projection(K + 1)
+    sp.clear()
+    assert sp.REGISTRY_NAME not in draft_registry.registered_names()

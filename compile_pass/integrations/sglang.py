@@ -50,17 +50,17 @@ as without the plugin (a capture falls back to the list's own clone).
 from __future__ import annotations
 
 import contextvars
-import functools
 import inspect
 import logging
 import os
 import re
+import weakref
 from typing import Any, Optional
 
 import torch
 
 from compile_pass.integrations import list_adoption, sglang_projection
-from compile_pass.integrations.sglang_seams import (AUX_MODULE, COMPILE_CONTEXTS, DFLASH_PROJECT, DRAFT_INPUT_WIDTH, LOGITS_FORWARD,
+from compile_pass.integrations.sglang_seams import (AUX_MODULE, CAPTURE_CONFIG, COMPILE_CONTEXTS, DFLASH_PROJECT, DRAFT_INPUT_WIDTH, LOGITS_FORWARD,
                                                     PACKING_LIST, PLAIN_LIST, RUNNER_FORWARD, RUNNER_LOAD, layout,
                                                     layout_problems, probe_projection, probe_sglang)
 from compile_pass.integrations.sglang_seams import warn as _warn
@@ -93,43 +93,62 @@ def enabled_by_env() -> bool:
 
 class _PackingMixin:
     """Copy-on-capture into one packed buffer (the packer's ``slot``); the list holds the
-    slices (adjacent views)."""
+    slices (adjacent views). With ``COMPILE_PASS_SGLANG_PROJECT`` and a draft that fits, each
+    capture is projected instead into the draft's ``[T, H_draft]`` input (``_cp_project``),
+    in an eager forward and in a forward Dynamo traces alike, and the list holds ``[T, 0]``
+    stand-ins."""
 
     _cp_packer: Optional[AuxHiddenStatePacker] = None
-    _cp_acc: Optional[Any] = None  # COMPILE_PASS_SGLANG_PROJECT: the draft's projected input
+    _cp_plan: Optional[sglang_projection.CapturePlan] = None  # projecting: the draft's plan
+    _cp_acc: Optional[torch.Tensor] = None  # projecting: [T, H_draft], the terms so far
+    _cp_sumsq: Optional[torch.Tensor] = None  # projecting, a norm over the concat: fp32 [T, 1]
+    _cp_done: Optional[torch.Tensor] = None  # the finished projection, once handed over
     _cp_off = False
 
     def _cp_write(self, hidden: torch.Tensor) -> bool:
-        """Copy ``hidden`` into its slice and append the slice; False: the caller appends as
-        SGLang's list does (off for this forward, or anything failed here)."""
-        if self._cp_off or torch.compiler.is_compiling() or not isinstance(hidden, torch.Tensor):
+        """Copy (or project) ``hidden`` and append its slice (or stand-in); False: the caller
+        appends as SGLang's list does (off for this forward, or the packer failed here). A
+        capture that does not fit a projection under way raises: its earlier captures exist
+        only as projected terms."""
+        if self._cp_off or not isinstance(hidden, torch.Tensor):
             return False
         try:
             return self._cp_write_slice(hidden)
-        except Exception as e:  # noqa: BLE001 - never fail the model's forward
-            self._cp_off = True
-            STATE["fallbacks"] += 1
-            _warn_once(type(self), "write failed", f"writing capture {len(self)} into the packed "
-                       f"buffer failed ({e!r}): this forward captures as without the plugin")
+        except Exception as e:  # noqa: BLE001 - never fail the model's forward, but:
+            if self._cp_plan is not None and len(self):
+                raise  # the earlier captures exist only as projected terms
+            self._cp_plan = self._cp_acc = self._cp_sumsq = None
+            self._cp_fail(e)
             return False
 
+    def _cp_fail(self, e: Any) -> None:
+        self._cp_off = True
+        STATE["fallbacks"] += 1
+        _warn_once(type(self), "write failed", f"writing capture {len(self)} into the packed "
+                   f"buffer failed ({e!r}): this forward captures as without the plugin")
+
     def _cp_write_slice(self, hidden: torch.Tensor) -> bool:
-        if self._cp_packer is None and self._cp_acc is None:
+        if self._cp_packer is None and self._cp_plan is None:
+            # K: from the model runner's forward; a CUDA-graph capture calls the model's
+            # forward directly: the one capturing model configured in this process
             k = _num_captures.get()
-            if k is None or k < 1 or hidden.dim() < 1 or len(self) != 0:
+            if k is None:
+                k = _configured_k()
+            if len(self) != 0 or hidden.dim() < 1:
                 self._cp_off = True
                 return False
             if STATE["project"]:
-                self._cp_acc, why = sglang_projection.accumulator_for(k, hidden)
-                if self._cp_acc is None and sglang_projection.registered() is not None:
+                self._cp_plan, why = sglang_projection.plan_for(k, hidden)
+                if self._cp_plan is None and sglang_projection.registered() is not None:
                     _warn_once(type(self), "projection", f"{why}: the captures are packed as without "
                                f"{sglang_projection.ENV_PROJECT}")
-            if self._cp_acc is None:
+            if self._cp_plan is None:
+                if k is None or k < 1:
+                    self._cp_off = True
+                    return False
                 self._cp_packer = AuxHiddenStatePacker(k)
-        if self._cp_acc is not None:
-            # projected now (the term is the snapshot); the list holds a [*, 0] stand-in, no bytes
-            self._cp_acc.append(hidden)
-            super().append(hidden.new_empty((*hidden.shape[:-1], 0)))
+        if self._cp_plan is not None:
+            self._cp_project(hidden)
             return True
         try:
             slot = self._cp_packer.slot(hidden)
@@ -144,19 +163,62 @@ class _PackingMixin:
         super().append(slot)
         return True
 
-    # Inside a compiled graph the list is SGLang's (the capture pass packs there): each
-    # method goes straight to the original through ``super()``, which Dynamo traces as it
-    # traces SGLang's class (``list.append(self, x)`` is a graph break per capture).
+    def _cp_project(self, hidden: torch.Tensor) -> None:
+        """Capture ``len(self)``'s term added to the draft's input (and its sum of squares for
+        a norm over the concat) by the registered draft's ops, then a ``[T, 0]`` stand-in
+        appended: the term is the snapshot, no bytes of the capture are kept. The same ops
+        run eager and traced."""
+        plan, index = self._cp_plan, len(self)
+        lead = tuple(hidden.shape[:-1])
+        if (index >= plan.num_captures or hidden.dim() < 1 or hidden.shape[-1] != plan.hidden
+                or hidden.dtype != plan.dtype or (index and lead != tuple(self._cp_acc.shape[:-1]))):
+            raise AuxCaptureError(
+                f"capture {index} ({tuple(hidden.shape)} {hidden.dtype}) does not fit the draft's input "
+                f"projection ({plan.signature}"
+                f"{', first capture ' + str(lead) if index else ''}): its earlier captures were projected")
+        if index == 0:
+            self._cp_acc = hidden.new_zeros((*lead, plan.out_features))
+            if plan.sum_squares:
+                self._cp_sumsq = hidden.new_zeros((*lead, 1), dtype=torch.float32)
+        if plan.sum_squares:
+            torch.ops.compile_pass.sum_squares_into_(self._cp_sumsq, hidden, None, "", False)
+        torch.ops.compile_pass.project_registered_(self._cp_acc, hidden, None, "", plan.draft, plan.signature,
+                                                    index, plan.num_captures, False)
+        super().append(hidden.new_empty((*lead, 0)))
+
+    def _cp_trace(self, hidden: Any) -> bool:
+        """In a forward Dynamo traces: project ``hidden`` as the eager list does, where the
+        projection is on and the registered draft fits; False: SGLang's own append (the
+        capture pass packs in that graph)."""
+        if not STATE["project"] or not isinstance(hidden, torch.Tensor):
+            return False
+        if self._cp_plan is None:
+            if len(self) != 0:
+                return False
+            plan, _ = sglang_projection.plan_for(None, hidden)
+            if plan is None:
+                return False
+            self._cp_plan = plan
+        self._cp_project(hidden)
+        return True
+
+    # Inside a compiled graph, unless projecting, the list is SGLang's (the capture pass packs
+    # there): each method goes straight to the original through ``super()``, which Dynamo
+    # traces as it traces SGLang's class (``list.append(self, x)`` is a graph break per capture).
 
     def append(self, hidden):  # noqa: D401 - list API
         if torch.compiler.is_compiling():
-            return super().append(hidden)
+            if not self._cp_trace(hidden):
+                super().append(hidden)
+            return
         if not self._cp_write(hidden):
             super().append(hidden)
 
     def capture(self, hidden: torch.Tensor, *, owned: bool = False) -> None:
         if torch.compiler.is_compiling():
-            return super().append(hidden if owned else hidden.clone())
+            if not self._cp_trace(hidden):
+                super().append(hidden if owned else hidden.clone())
+            return
         if not self._cp_write(hidden):
             super().append(hidden if owned else hidden.clone())
 
@@ -313,6 +375,29 @@ def _warn_once(cls: type, kind: str, msg: str) -> None:
         _warn(msg)
 
 
+#: the models SGLang configured to capture (``configure_aux_hidden_state_capture``)
+_capturing_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _configure_capture(original_fn, *args, **kwargs):
+    """Around ``configure_aux_hidden_state_capture``: the model it sets capture layers on is
+    kept (weakly), for the forwards that reach the model without ``ModelRunner.forward``
+    (the CUDA-graph runners' captures call ``model.forward`` themselves)."""
+    out = original_fn(*args, **kwargs)
+    model = kwargs.get("model", args[0] if args else None)
+    if isinstance(model, torch.nn.Module) and (kwargs.get("eagle_use_aux_hidden_state")
+                                               or kwargs.get("dflash_use_aux_hidden_state")):
+        _capturing_models.add(model)
+    return out
+
+
+def _configured_k() -> Optional[int]:
+    """K of the models configured to capture when they agree on one (a process serves one
+    target), else None."""
+    ks = {_find_k(m) for m in list(_capturing_models)} - {None}
+    return ks.pop() if len(ks) == 1 else None
+
+
 def _capture_plan(runner: Any) -> tuple:
     """(K, the plain-list holder to adopt from or None) for the runner's model; K None: not
     capturing, or capture layers not found."""
@@ -348,12 +433,24 @@ def _runner_forward(original_fn, self, *args, **kwargs):
 
 
 def projected_input(aux: Any) -> Optional[torch.Tensor]:
-    """The draft's projected input if ``aux`` is a packing list whose every capture was
-    projected (``COMPILE_PASS_SGLANG_PROJECT``), else None."""
-    acc = getattr(aux, "_cp_acc", None)
-    if acc is None or getattr(aux, "_cp_off", False) or len(acc) != acc.num_captures or len(aux) != len(acc):
+    """The draft's projected input ``[T, H_draft]`` if ``aux`` is a packing list that
+    projected its captures (``COMPILE_PASS_SGLANG_PROJECT``), finished once (the combine's
+    per-token norm scale and bias: ``finish_registered_``); None for any other list. A list
+    that projected some captures but not the draft's K raises: the captures it holds are
+    stand-ins."""
+    plan = getattr(aux, "_cp_plan", None)
+    if plan is None:
         return None
-    return acc.finalize()
+    done = getattr(aux, "_cp_done", None)
+    if done is not None:
+        return done
+    if len(aux) != plan.num_captures:
+        raise AuxCaptureError(f"the target captured {len(aux)} hidden states, the draft's input projection "
+                              f"({plan.signature}) reads {plan.num_captures}")
+    acc = aux._cp_acc
+    torch.ops.compile_pass.finish_registered_(acc, aux._cp_sumsq, plan.draft, plan.signature, plan.num_captures)
+    aux._cp_done = acc
+    return acc
 
 
 def _project_packed(aux: Any) -> Optional[torch.Tensor]:
@@ -374,28 +471,43 @@ def _project_packed(aux: Any) -> Optional[torch.Tensor]:
     return p.reference(torch.cat(list(aux), dim=-1))
 
 
-@functools.lru_cache(maxsize=8)
+_signatures: dict = {}
+
+
 def _signature(fn: Any) -> inspect.Signature:
-    return inspect.signature(fn)  # read once per wrapped function, not on every forward
+    """``inspect.signature(fn)``, cached per wrapped function in eager forwards; traced, read
+    afresh (a cache filled inside a traced forward is a guard that fails on the next call)."""
+    if torch.compiler.is_compiling():
+        return inspect.signature(fn)
+    sig = _signatures.get(fn)
+    if sig is None:
+        sig = _signatures[fn] = inspect.signature(fn)
+    return sig
 
 
 def _logits_forward(original_fn, self, *args, **kwargs):
     """Around ``LogitsProcessor.forward``: a capture list whose captures were projected is
     handed on as the projected ``[T, H_draft]`` tensor (stored for the draft where the packed
-    captures were; the logits processor slices a tensor by rows as it did the list)."""
+    captures were; the logits processor slices a tensor by rows as it did the list). A
+    projection left incomplete is an error (``projected_input``), never a list of stand-ins
+    handed on."""
     try:
         bound = _signature(original_fn).bind(self, *args, **kwargs)
         aux = bound.arguments.get("aux_hidden_states")
-        projected = projected_input(aux)
-        if projected is None:
-            projected = _project_packed(aux)
     except Exception as e:  # noqa: BLE001 - never fail the model's forward
         _warn_once(type(self), "logits hook", f"reading the capture list failed ({e!r})")
-        projected = None
+        return original_fn(self, *args, **kwargs)
+    projected = projected_input(aux)
+    if projected is None:
+        try:
+            projected = _project_packed(aux)
+        except Exception as e:  # noqa: BLE001
+            _warn_once(type(self), "logits hook", f"projecting the packed captures failed ({e!r})")
     if projected is None:
         return original_fn(self, *args, **kwargs)
     bound.arguments["aux_hidden_states"] = projected
-    STATE["projected"] += 1
+    if not torch.compiler.is_compiling():  # traced, a global's count would be a guard
+        STATE["projected"] += 1
     return original_fn(*bound.args, **bound.kwargs)
 
 
@@ -552,6 +664,8 @@ def enable(*, registry: Any = None, apply: bool = True) -> bool:
     registry.register(f"{AUX_MODULE}.pack_aux_hidden_states", pack_view, HookType.REPLACE)
     registry.register(RUNNER_FORWARD, _runner_forward, HookType.AROUND)
     for probe_ in probes:
+        if probe_.seam.name == CAPTURE_CONFIG and probe_.state == "ok":
+            registry.register(CAPTURE_CONFIG, _configure_capture, HookType.AROUND)
         if probe_.seam.name in COMPILE_CONTEXTS and probe_.state == "ok":
             registry.register(probe_.seam.name, _compile_scope, HookType.AROUND)
     if sglang_projection.enabled_by_env():

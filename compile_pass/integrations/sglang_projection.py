@@ -28,20 +28,26 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 
+from compile_pass import draft_registry
+from compile_pass.draft_registry import DraftSignature
+from compile_pass.errors import AuxCaptureError
 from compile_pass.integrations.draft_layout import not_rms_norm, plain_fc
-from compile_pass.packer import AuxCaptureError
 from compile_pass.projection import DraftProjection, ProjectingAccumulator
 
-__all__ = ["ENV_PROJECT", "enabled_by_env", "DraftInput", "draft_input_of", "register_draft", "registered",
-           "clear", "accumulator_for", "projected_target_hidden", "draft_input_width"]
+__all__ = ["ENV_PROJECT", "REGISTRY_NAME", "enabled_by_env", "DraftInput", "CapturePlan", "draft_input_of",
+           "register_draft", "registered", "capture_plan", "clear", "plan_for", "projected_target_hidden",
+           "draft_input_width"]
 
 logger = logging.getLogger("compile_pass.sglang")
 
 ENV_PROJECT = "COMPILE_PASS_SGLANG_PROJECT"
+#: the name the loaded draft is registered under in ``compile_pass.draft_registry``: the
+#: capture ops (``project_registered_``, ``finish_registered_``) read its weights by it
+REGISTRY_NAME = "sglang"
 
 
 def enabled_by_env() -> bool:
@@ -68,8 +74,30 @@ class DraftInput:
         return ProjectingAccumulator(p.num_captures, p.weight, fc_bias=p.bias, norm_before_fc=self.norm_before_fc,
                                      fc_norms=self.fc_norms)
 
+    def plan(self) -> "CapturePlan":
+        p = self.projection
+        return CapturePlan(REGISTRY_NAME, DraftSignature.of(p).describe(), p.num_captures, p.hidden,
+                           p.out_features, p.weight.dtype, p.weight.device, p.norm_before_fc is not None)
+
+
+class CapturePlan(NamedTuple):
+    """Constants by which a capturing forward (eager, or traced by Dynamo, which reads them
+    as constants) projects into the registered draft's input: the registry name and the
+    signature the capture ops check, K, the capture width, ``H_draft``, dtype, device, and
+    whether a sum of squares is kept (a norm over the concat)."""
+
+    draft: str
+    signature: str
+    num_captures: int
+    hidden: int
+    out_features: int
+    dtype: torch.dtype
+    device: torch.device
+    sum_squares: bool
+
 
 _REGISTERED: Optional[DraftInput] = None
+_PLAN: Optional[CapturePlan] = None
 
 
 def draft_input_of(model: Any) -> Tuple[Optional[DraftInput], str]:
@@ -106,15 +134,23 @@ def draft_input_of(model: Any) -> Tuple[Optional[DraftInput], str]:
 def register_draft(model: Any) -> bool:
     """Take the draft's input projection (once its weights are loaded); True if taken. A
     draft that does not fit is named in a warning and the captures stay packed."""
-    global _REGISTERED
+    global _REGISTERED, _PLAN
     found, why = draft_input_of(model)
     if found is None:
         logger.warning("compile_pass SGLang plugin: %s: the draft's input is packed as without %s",
                        why, ENV_PROJECT)
-        _REGISTERED = None
+        clear()
         return False
-    _REGISTERED = found
     p = found.projection
+
+    def resolve(num_captures: int) -> DraftProjection:
+        # built once from the loaded parameters (a weight update copies into them in place)
+        if num_captures != p.num_captures:
+            raise AuxCaptureError(f"the draft {found.owner} reads {p.num_captures} captures, not {num_captures}")
+        return p
+
+    draft_registry.register(REGISTRY_NAME, found.owner, resolve)
+    _REGISTERED, _PLAN = found, found.plan()
     logger.info("compile_pass SGLang plugin: %s draft %s: each capture projected into [T, %d] (K=%d, hidden %d)",
                 found.kind, found.owner, p.out_features, p.num_captures, p.hidden)
     return True
@@ -124,24 +160,31 @@ def registered() -> Optional[DraftInput]:
     return _REGISTERED
 
 
+def capture_plan() -> Optional[CapturePlan]:
+    """The registered draft's ``CapturePlan``, or None."""
+    return _PLAN
+
+
 def clear() -> None:
-    global _REGISTERED
-    _REGISTERED = None
+    global _REGISTERED, _PLAN
+    _REGISTERED = _PLAN = None
+    draft_registry.unregister(REGISTRY_NAME)
 
 
-def accumulator_for(num_captures: int, first: torch.Tensor) -> Tuple[Optional[ProjectingAccumulator], str]:
-    """A fresh accumulator for a forward capturing ``num_captures`` tensors like ``first``,
-    or (None, why not: nothing registered, or the registered draft does not fit)."""
-    draft = _REGISTERED
-    if draft is None:
+def plan_for(num_captures: Optional[int], first: torch.Tensor) -> Tuple[Optional[CapturePlan], str]:
+    """The plan by which a forward capturing ``num_captures`` tensors like ``first`` (None:
+    K not known here, the draft's K is checked when the captures are handed over) projects
+    them, or (None, why not: nothing registered, or the registered draft does not fit).
+    Pure reads of constants: Dynamo traces it."""
+    plan = _PLAN
+    if plan is None:
         return None, "no draft registered"
-    p = draft.projection
-    if num_captures != p.num_captures:
-        return None, f"the target captures {num_captures} layers, the draft {draft.owner} reads {p.num_captures}"
-    if first.shape[-1] != p.hidden or first.dtype != p.weight.dtype or first.device != p.weight.device:
-        return None, (f"a capture is {tuple(first.shape)} {first.dtype} on {first.device}, the draft's fc "
-                      f"{tuple(p.weight.shape)} {p.weight.dtype} on {p.weight.device}")
-    return draft.accumulator(), ""
+    if num_captures is not None and num_captures != plan.num_captures:
+        return None, f"the target captures {num_captures} layers, the draft reads {plan.num_captures}"
+    if first.dim() < 1 or first.shape[-1] != plan.hidden or first.dtype != plan.dtype or first.device != plan.device:
+        return None, (f"a capture is {tuple(first.shape)} {first.dtype} on {first.device}, the draft's fc reads "
+                      f"{plan.num_captures} x {plan.hidden} {plan.dtype} on {plan.device}")
+    return plan, ""
 
 
 def projected_target_hidden(original_fn, self, target_hidden, *args, **kwargs):

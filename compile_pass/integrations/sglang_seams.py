@@ -28,7 +28,7 @@ from compile_pass.integrations.seams import (Patch, Probe, Seam, SeamAbsent, att
 
 __all__ = ["AUX_MODULE", "COMPILE_CONTEXTS", "RUNNER_FORWARD", "LOGITS_STORE", "PIECEWISE_CONTEXT", "PACKING_LIST",
            "PLAIN_LIST", "SEAMS", "TESTED", "is_tested", "layout", "probe_sglang", "sglang_version",
-           "warn", "RUNNER_LOAD", "LOGITS_FORWARD", "DFLASH_PROJECT", "DRAFT_INPUT_WIDTH", "PROJECTION_SEAMS", "probe_projection"]
+           "warn", "CAPTURE_CONFIG", "RUNNER_LOAD", "LOGITS_FORWARD", "DFLASH_PROJECT", "DRAFT_INPUT_WIDTH", "PROJECTION_SEAMS", "probe_projection"]
 
 logger = logging.getLogger("compile_pass.sglang")
 
@@ -38,6 +38,9 @@ LOGITS_STORE = "sglang.srt.layers.logits_processor.LogitsProcessor._get_hidden_s
 PIECEWISE_CONTEXT = ("sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph."
                      "context_manager")
 HOOK_REGISTRY = "sglang.srt.plugins.hook_registry"
+#: sets the capture layers on the target model (0.5.23: before any CUDA graph is captured)
+CAPTURE_CONFIG = ("sglang.srt.model_executor.model_runner_components.attention_backend_setup."
+                  "configure_aux_hidden_state_capture")
 #: the context managers inside which ``--enable-torch-compile`` compiles ``model.forward``
 #: (0.5.23: the CUDA-graph runners' and the CPU graph runner's ``patch_model``)
 COMPILE_CONTEXTS = ("sglang.srt.compilation.torch_compile_decoration.patch_model",
@@ -134,12 +137,32 @@ def _locate_piecewise_attention() -> List[Patch]:
     return []
 
 
+def _locate_callable(path: str, params: Sequence[str] = (), method: bool = True):
+    """A locator: ``path`` (``module.Class.method``, or ``module.function`` with
+    ``method=False``) exists and takes ``params``."""
+    def locate() -> List[Patch]:
+        parts = path.rsplit(".", 2 if method else 1)
+        owner = import_module(parts[0], absent_ok=True)
+        for name in parts[1:-1]:
+            owner = attribute(owner, name)
+        fn = getattr(owner, parts[-1], None)
+        require(callable(fn), f"{path} is missing")
+        missing = [p for p in params if p not in inspect.signature(fn).parameters]
+        require(not missing, f"{path} takes no {', '.join(missing)}")
+        return []
+
+    return locate
+
+
 SEAMS: List[Seam] = [
     Seam(f"{HOOK_REGISTRY}.HookRegistry", change="",
          reason="official: SGLang's plugin hook registry (REPLACE, AROUND)", locate=_locate_registry),
     Seam(RUNNER_FORWARD, change="an around-hook: K for the packing list, plain-list adoption, "
                                 "the compiled inner model (plain-list layout)",
          reason="K is known to the model runner only", locate=_locate_runner_forward),
+    Seam(CAPTURE_CONFIG, change="an around-hook: the model it configures to capture is kept (weakly), "
+                                "K for the forwards that bypass ModelRunner.forward (CUDA-graph captures)",
+         reason="the CUDA-graph runners call model.forward directly", locate=_locate_callable(CAPTURE_CONFIG, ("model",), method=False), optional=True),
     Seam(f"{AUX_MODULE}.AuxHiddenStateList", change="replaced: capture() copies into one packed buffer",
          reason="the list class every 0.5.23 model captures into", locate=_locate_aux_list,
          optional=True),
@@ -162,23 +185,6 @@ RUNNER_LOAD = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 LOGITS_FORWARD = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
 DFLASH_PROJECT = "sglang.srt.models.dflash.DFlashDraftModel.project_target_hidden"
 DRAFT_INPUT_WIDTH = "sglang.srt.speculative.eagle_utils.get_draft_input_from_target_hidden_dim"
-
-
-def _locate_callable(path: str, params: Sequence[str] = (), method: bool = True):
-    """A locator: ``path`` (``module.Class.method``, or ``module.function`` with
-    ``method=False``) exists and takes ``params``."""
-    def locate() -> List[Patch]:
-        parts = path.rsplit(".", 2 if method else 1)
-        owner = import_module(parts[0], absent_ok=True)
-        for name in parts[1:-1]:
-            owner = attribute(owner, name)
-        fn = getattr(owner, parts[-1], None)
-        require(callable(fn), f"{path} is missing")
-        missing = [p for p in params if p not in inspect.signature(fn).parameters]
-        require(not missing, f"{path} takes no {', '.join(missing)}")
-        return []
-
-    return locate
 
 
 #: the seams of the draft-input projection (COMPILE_PASS_SGLANG_PROJECT=1), probed only then
