@@ -248,6 +248,32 @@ if os.environ.get("COMPILE", "0") == "1":
     sys.exit(0)
 print("enable", plugin.enable())
 on, o2 = run(); h_on = o2.hidden_states
+
+
+def run_bypassing_model_runner_forward():
+    """The model's forward without ``ModelRunner.forward`` around it, as SGLang's CUDA-graph
+    runners capture it (``ModelRunner._forward_raw``: the eager runner's own call of
+    ``model.forward``): K comes from the model ``configure_aux_hidden_state_capture`` set
+    capture layers on, called here through model_runner's own binding (None: not
+    applicable to this model or setter)."""
+    if SETTER != "direct" or ARCH not in ("llama", "qwen3"):
+        return None
+    import sglang.srt.model_executor.model_runner as _mr_mod
+    layers = list(m.model.layers_to_capture)
+    _mr_mod.configure_aux_hidden_state_capture(
+        model=m, eagle_use_aux_hidden_state=True, eagle_aux_hidden_state_layer_ids=[i - 1 for i in layers],
+        dflash_use_aux_hidden_state=False, dflash_target_layer_ids=None, is_dspark=False)
+    if list(m.model.layers_to_capture) != layers:  # this model's setter maps ids otherwise
+        m.model.layers_to_capture = layers
+        return None
+    fb = make_fb()
+    with torch.no_grad():
+        p = measure_peak(ModelRunner._forward_raw, mr, fb, None)
+    return p.bytes, p.result.logits_output
+
+
+ARCH = os.environ.get("ARCH", "llama")
+bypass = run_bypassing_model_runner_forward()
 if os.environ.get("PROJECT"):
     # the same extend once more, with the draft registered
     from compile_pass.integrations import sglang_projection
@@ -267,6 +293,7 @@ if os.environ.get("PROJECT"):
                                            hidden_size=_HD, spec_hidden_size=_HD),
         spec_algorithm=types.SimpleNamespace(is_eagle3=lambda: True))
     projected_width = _dx.get_draft_input_from_target_hidden_dim(_runner)
+    bypass_projected = run_bypassing_model_runner_forward()
     projected = {"combine": PROJECT, "draft_hidden": _HD, "peak_projected": proj,
                  "draft_cuda_graph_input_width": projected_width,
                  "overhead_projected": round((proj - base) / packed, 3),
@@ -274,6 +301,9 @@ if os.environ.get("PROJECT"):
                  "max_abs_vs_cat_then_project": float((_got - _ref).abs().max()),
                  "max_rel_vs_cat_then_project": float((_got - _ref).abs().max() / _ref.abs().max()),
                  "logits_equal_no_capture_projected": bool(torch.equal(o0.next_token_logits, o3.next_token_logits))}
+    if bypass_projected is not None:
+        projected.update({"bypass_overhead_projected": round((bypass_projected[0] - base) / packed, 3),
+                          "bypass_projected_equal": bool(torch.equal(bypass_projected[1].hidden_states, _got))})
 res = ({"K": K, "layers": _cfg["num_hidden_layers"], "model": _cfg["architectures"][0], "tokens": NREQ * L, "overhead_off": round((off - base) / packed, 3),
   "overhead_on": round((on - base) / packed, 3), "peak_base": base, "peak_off": off, "peak_on": on,
   "packed_bytes": packed, "adopted": plugin.STATE["adopted"], "bitwise": bool(torch.equal(h_off, h_on)),
@@ -282,6 +312,9 @@ res = ({"K": K, "layers": _cfg["num_hidden_layers"], "model": _cfg["architecture
   "hidden": _cfg["hidden_size"], "norm": os.environ.get("NORM", "native"),
   "packed_views": plugin.STATE["packed"], "fallbacks": plugin.STATE["fallbacks"], "setter": SETTER,
   "capture_layers": list(m.model.layers_to_capture)})
+if bypass is not None:
+    res.update({"bypass_overhead_on": round((bypass[0] - base) / packed, 3),
+                "bypass_bitwise": bool(torch.equal(bypass[1].hidden_states, h_off))})
 if os.environ.get("PROJECT"):
     res.update(projected)
 print(json.dumps(res))
