@@ -43,7 +43,7 @@ _cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
         "intermediate_size": _env("INTER", 256), "num_hidden_layers": _env("LAYERS", 16),
         "num_attention_heads": _env("HEADS", 4), "num_key_value_heads": _env("KV_HEADS", _env("HEADS", 4)),
         "head_dim": _env("HEAD_DIM", 64), "vocab_size": 1000,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "float32",
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": os.environ.get("DTYPE", "float32"),
         "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
 if os.environ.get("ARCH", "llama") == "qwen2_moe":  # ARCH=qwen2_moe: a tiny random MoE config
     _cfg.update({"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "num_experts": 4,
@@ -83,7 +83,7 @@ _dir = tempfile.mkdtemp(prefix="sglang_tiny_model_")
 import json as _json
 with open(os.path.join(_dir, "config.json"), "w") as _f:
     _json.dump(_cfg, _f)
-sa = ServerArgs(model_path=_dir, skip_tokenizer_init=True, load_format="dummy", device="cpu", dtype="float32",
+sa = ServerArgs(model_path=_dir, skip_tokenizer_init=True, load_format="dummy", device="cpu", dtype=os.environ.get("DTYPE", "float32"),
     disable_cuda_graph=True, chunked_prefill_size=-1, max_total_tokens=8192, mem_fraction_static=0.5, enable_return_hidden_states=True)
 print("server args ok")
 from sglang.srt.runtime_context import publish, SpawnRanks
@@ -157,18 +157,38 @@ else:
     m.model.layers_to_capture = list(range(1, 1 + K))
 off, o1 = run(); h_off = o1.hidden_states.clone()
 from compile_pass.integrations import sglang as plugin
-packed = NREQ * L * _cfg["hidden_size"] * K * 4
+packed = NREQ * L * _cfg["hidden_size"] * K * getattr(torch, _cfg["torch_dtype"]).itemsize
 def make_draft():
-    """PROJECT=plain|norm_before_fc|fc_norms: an Eagle3 draft shaped like SGLang's
-    llama_eagle3.LlamaModel (fc, num_aux_hidden_states, input_norm / fc_norm), handed to the
-    plugin as its draft-loading hook hands a loaded draft."""
+    """PROJECT=plain|norm_before_fc|fc_norms: an Eagle3 draft of that combine, handed to the
+    plugin as its draft-loading hook hands a loaded draft. DRAFT=sglang: SGLang's own
+    ``llama_eagle3.LlamaForCausalLMEagle3`` (one layer, hidden DRAFT_HIDDEN, the target's
+    heads: its attention runs on the target's KV pool layout; random weights, seed 1);
+    default: a module shaped like SGLang's ``llama_eagle3.LlamaModel`` (fc,
+    num_aux_hidden_states, input_norm / fc_norm)."""
     from sglang.srt.layers.layernorm import RMSNorm as _Norm
     PROJECT, _H = os.environ["PROJECT"], _cfg["hidden_size"]
     _HD = _env("DRAFT_HIDDEN", _H)
+    g = torch.Generator().manual_seed(1)
+    if os.environ.get("DRAFT") == "sglang":
+        from transformers import LlamaConfig
+        from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
+        dc = LlamaConfig(hidden_size=_HD, intermediate_size=_cfg["intermediate_size"], num_hidden_layers=1,
+                         num_attention_heads=_cfg["num_attention_heads"], num_key_value_heads=_cfg["num_key_value_heads"],
+                         head_dim=_cfg["head_dim"], vocab_size=_cfg["vocab_size"], rms_norm_eps=1e-5,
+                         max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False)
+        dc.target_hidden_size, dc.num_aux_hidden_states, dc.draft_vocab_size = _H, K, _cfg["vocab_size"]
+        dc.eagle_config = {"norm_before_fc": PROJECT == "norm_before_fc"}
+        dc.fc_norm = PROJECT == "fc_norms"
+        draft = LlamaForCausalLMEagle3(dc).to(getattr(torch, _cfg["torch_dtype"])).requires_grad_(False)
+        with torch.no_grad():
+            for p_ in draft.parameters():  # norms around 1, matrices scaled by their fan-in
+                r_ = torch.randn(p_.shape, generator=g)
+                p_.copy_(1 + 0.1 * r_ if p_.dim() == 1 else r_ * p_.shape[-1] ** -0.5)
+        return draft
+
     class _Eagle3Inner(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            g = torch.Generator().manual_seed(1)
             self.num_aux_hidden_states = K
             self.fc = torch.nn.Linear(K * _H, _HD, bias=False)
             self.input_norm = _Norm(K * _H, eps=1e-5) if PROJECT == "norm_before_fc" else None
@@ -180,6 +200,21 @@ def make_draft():
                         n_.weight.copy_(1 + 0.1 * torch.randn(n_.weight.shape, generator=g))
     draft = torch.nn.Module(); draft.model = _Eagle3Inner()
     return draft.requires_grad_(False)
+
+
+def draft_proposals(draft, target_hidden):
+    """DRAFT=sglang: the greedy token SGLang's draft proposes at every position of the
+    extend batch, reading ``target_hidden`` as its ``spec_info.hidden_states`` (the packed
+    [T, K*H]: it applies its norms and fc; [T, H_draft]: it reads it as is), and its
+    pre-logits hidden states."""
+    from types import SimpleNamespace
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    fb = make_fb()
+    fb.spec_info = SimpleNamespace(hidden_states=target_hidden)
+    mr.attn_backend.init_forward_metadata(fb)
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=mr.attn_backend), forward_batch=fb):
+        hidden, _ = draft.model(fb.input_ids, fb.positions, fb)
+    return (hidden.float() @ draft.lm_head.weight.float().t()).argmax(-1), hidden
 
 
 def draft_reference(draft, packed):
@@ -301,6 +336,17 @@ if os.environ.get("PROJECT"):
                  "max_abs_vs_cat_then_project": float((_got - _ref).abs().max()),
                  "max_rel_vs_cat_then_project": float((_got - _ref).abs().max() / _ref.abs().max()),
                  "logits_equal_no_capture_projected": bool(torch.equal(o0.next_token_logits, o3.next_token_logits))}
+    if os.environ.get("DRAFT") == "sglang":
+        # the draft's proposals on the same extend: from the list path's packed captures (it
+        # projects them itself) and from the projected input (it reads it as is)
+        tok_packed, hid_packed = draft_proposals(_draft, h_off)
+        tok_projected, hid_projected = draft_proposals(_draft, _got)
+        projected.update({"draft": type(_draft).__module__ + "." + type(_draft).__qualname__,
+                          "dtype": _cfg["torch_dtype"],
+                          "proposal_agreement": float((tok_packed == tok_projected).float().mean()),
+                          "proposals": int(tok_packed.numel()),
+                          "draft_hidden_max_rel": float((hid_projected.float() - hid_packed.float()).abs().max()
+                                                        / hid_packed.float().abs().max())})
     if bypass_projected is not None:
         projected.update({"bypass_overhead_projected": round((bypass_projected[0] - base) / packed, 3),
                           "bypass_projected_equal": bool(torch.equal(bypass_projected[1].hidden_states, _got))})

@@ -119,3 +119,16 @@ def test_model_runner_extend_projects_each_capture_for_the_draft(tmp_path, case)
     assert res["overhead_projected"] < res["overhead_on"] <= 1.01, res
     # model.forward without ModelRunner.forward around it (SGLang's CUDA-graph captures)
     assert res["bypass_projected_equal"] and abs(res["bypass_overhead_projected"] - res["overhead_projected"]) <= 0.01, res
+
+
+def test_sglang_draft_proposes_from_the_projected_input_as_from_the_packed_captures(tmp_path):
+    """DRAFT=sglang: SGLang's own Eagle3 draft (llama_eagle3.LlamaForCausalLMEagle3) runs the
+    extend batch twice, from the list path's packed captures (it applies its norm and fc) and
+    from the projected input (it reads it as is), in bf16, where the projection's K partial
+    products round differently from one GEMM: nearly every greedy proposal is the same."""
+    res = _bench(tmp_path, DTYPE="bfloat16", DRAFT="sglang", PROJECT="norm_before_fc", K="3", LAYERS="4",
+                 NREQ="2", LEN="128")
+    assert res["draft"] == "sglang.srt.models.llama_eagle3.LlamaForCausalLMEagle3" and res["dtype"] == "bfloat16", res
+    assert res["proposals"] == res["tokens"] and res["proposal_agreement"] >= 0.95, res
+    assert 0 < res["max_rel_vs_cat_then_project"] < 0.05 and res["draft_hidden_max_rel"] < 0.05, res
+    assert res["logits_equal_no_capture_projected"] and res["bitwise"], res

@@ -135,3 +135,14 @@ def test_engine_projection_table_one_row_per_run_sorted():
     assert lines[2] == ("| LlamaForCausalLM | 3 | plain | 1024 -> 768 | 1.46 | 1.00 | **0.25** | 3e-07 / 4e-07 "
                         "| True |")
     assert lines[3].startswith("| LlamaForCausalLM | 8 |") and len(lines) == 4
+
+
+def test_engine_projection_table_with_the_drafts_proposals():
+    run = {"model": "Qwen3ForCausalLM", "K": 3, "combine": "norm_before_fc", "hidden": 1024, "draft_hidden": 768,
+           "overhead_off": 1.0, "overhead_on": 1.0, "overhead_projected": 0.25, "max_abs_vs_cat_then_project": 0.03,
+           "max_rel_vs_cat_then_project": 0.01, "logits_equal_no_capture_projected": True,
+           "logits_equal_no_capture": True, "dtype": "bfloat16", "proposal_agreement": 0.99121, "proposals": 2048}
+    lines = results_table.engine_projection_table([run]).splitlines()
+    assert "| dtype |" in lines[0] and "| draft proposals equal |" in lines[0]
+    assert lines[2] == ("| Qwen3ForCausalLM | 3 | norm_before_fc | 1024 -> 768 | bfloat16 | 1.00 | 1.00 | **0.25** "
+                        "| 0.03 / 0.01 | 99.12% of 2048 | True |")

@@ -98,15 +98,22 @@ def acceptance_table(rows: List[Dict[str, Any]]) -> str:
 def engine_projection_table(results: List[Dict[str, Any]]) -> str:
     """One row per engine run with a projected draft input (``benchmarks/sglang_model_runner.py``
     with ``PROJECT=``): the list path, the packer, the projection, side by side, and the
-    projected input's error against the draft's own cat-then-project."""
-    head = ["model", "K", "combine", "H -> H_draft", "list", "packer", "projected", "max abs / rel error",
-            "logits = no capture"]
+    projected input's error against the draft's own cat-then-project; with ``DRAFT=sglang``
+    also the dtype and how many of SGLang's draft's greedy proposals are the same from the
+    projected input as from the packed captures."""
+    proposals = all("proposal_agreement" in r for r in results)
+    head = ["model", "K", "combine", "H -> H_draft"] + (["dtype"] if proposals else []) + [
+        "list", "packer", "projected", "max abs / rel error"] + (
+        ["draft proposals equal"] if proposals else []) + ["logits = no capture"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(results, key=lambda r: (r["model"], r["K"], r["combine"])):
-        lines.append(f"| {r['model']} | {r['K']} | {r['combine']} | {r['hidden']} -> {r['draft_hidden']} | "
-                     f"{r['overhead_off']:.2f} | {r['overhead_on']:.2f} | **{r['overhead_projected']:.2f}** | "
-                     f"{r['max_abs_vs_cat_then_project']:.2g} / {r['max_rel_vs_cat_then_project']:.2g} | "
-                     f"{r['logits_equal_no_capture_projected'] and r['logits_equal_no_capture']} |")
+        cells = [r["model"], r["K"], r["combine"], f"{r['hidden']} -> {r['draft_hidden']}"]
+        cells += [r["dtype"]] if proposals else []
+        cells += [f"{r['overhead_off']:.2f}", f"{r['overhead_on']:.2f}", f"**{r['overhead_projected']:.2f}**",
+                  f"{r['max_abs_vs_cat_then_project']:.2g} / {r['max_rel_vs_cat_then_project']:.2g}"]
+        cells += [f"{100 * r['proposal_agreement']:.2f}% of {r['proposals']}"] if proposals else []
+        cells += [r["logits_equal_no_capture_projected"] and r["logits_equal_no_capture"]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
