@@ -329,6 +329,8 @@ if os.environ.get("PROJECT"):
         spec_algorithm=types.SimpleNamespace(is_eagle3=lambda: True))
     projected_width = _dx.get_draft_input_from_target_hidden_dim(_runner)
     bypass_projected = run_bypassing_model_runner_forward()
+    if bypass_projected is not None:
+        bypass_projected = (bypass_projected[0], bool(torch.equal(bypass_projected[1].hidden_states, _got)))
     projected = {"combine": PROJECT, "draft_hidden": _HD, "peak_projected": proj,
                  "draft_cuda_graph_input_width": projected_width,
                  "overhead_projected": round((proj - base) / packed, 3),
@@ -339,8 +341,10 @@ if os.environ.get("PROJECT"):
     if os.environ.get("DRAFT") == "sglang":
         # the draft's proposals on the same extend: from the list path's packed captures (it
         # projects them itself) and from the projected input (it reads it as is)
-        tok_packed, hid_packed = draft_proposals(_draft, h_off)
-        tok_projected, hid_projected = draft_proposals(_draft, _got)
+        # (a copy each: the draft's first layer adds into its input in place, as SGLang's fused
+        # add-RMSNorm does into its fc's output without the switch)
+        tok_packed, hid_packed = draft_proposals(_draft, h_off.clone())
+        tok_projected, hid_projected = draft_proposals(_draft, _got.clone())
         projected.update({"draft": type(_draft).__module__ + "." + type(_draft).__qualname__,
                           "dtype": _cfg["torch_dtype"],
                           "proposal_agreement": float((tok_packed == tok_projected).float().mean()),
@@ -349,7 +353,7 @@ if os.environ.get("PROJECT"):
                                                         / hid_packed.float().abs().max())})
     if bypass_projected is not None:
         projected.update({"bypass_overhead_projected": round((bypass_projected[0] - base) / packed, 3),
-                          "bypass_projected_equal": bool(torch.equal(bypass_projected[1].hidden_states, _got))})
+                          "bypass_projected_equal": bypass_projected[1]})
 res = ({"K": K, "layers": _cfg["num_hidden_layers"], "model": _cfg["architectures"][0], "tokens": NREQ * L, "overhead_off": round((off - base) / packed, 3),
   "overhead_on": round((on - base) / packed, 3), "peak_base": base, "peak_off": off, "peak_on": on,
   "packed_bytes": packed, "adopted": plugin.STATE["adopted"], "bitwise": bool(torch.equal(h_off, h_on)),

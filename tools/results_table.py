@@ -4,7 +4,7 @@ the benchmark named in the file to change them).
     python -m tools.results_table projection docs/results/projection_memory_cpu.json \\
         docs/results/projection_memory_inductor_cpu.json --dtype bfloat16
     python -m tools.results_table acceptance docs/results/draft_acceptance_cpu.json
-    python -m tools.results_table engine-projection docs/results/sglang_projection_*.json
+    python -m tools.results_table engine-projection docs/results/sglang_projection_{llama,qwen3}_*.json
 
 ``engine-projection``: one row per ``benchmarks/sglang_model_runner.py`` result run with
 ``PROJECT=`` (list / packer / projected through SGLang's ModelRunner).

@@ -40,7 +40,13 @@ pass and ``pack_outputs`` on capturing extend batches, the logits processor's FU
 
 Inside a graph Dynamo traces (``--enable-torch-compile``), the list and the pack are SGLang's
 (``super()`` calls, which Dynamo traces like SGLang's class; the pack hands SGLang's cat a plain
-list, so the cat is in the graph for the capture pass instead of a graph break).
+list, so the cat is in the graph for the capture pass instead of a graph break); with
+``COMPILE_PASS_SGLANG_PROJECT`` and a registered draft that fits, the traced list projects as
+the eager one does (:mod:`compile_pass.integrations.sglang_projection`).
+
+K for a forward that reaches the model without ``ModelRunner.forward`` (the CUDA-graph
+runners' captures call ``model.forward`` themselves): the model that SGLang's
+``configure_aux_hidden_state_capture`` set capture layers on (an around-hook keeps it).
 
 Anything unexpected (another SGLang layout, a class that is no list, a capture whose shape
 differs, more captures than ``layers_to_capture``) is a warning naming it, and SGLang runs

@@ -1,11 +1,14 @@
 """SGLang: the draft's input projection accumulated as the target captures (opt-in).
 
 With ``COMPILE_PASS_SGLANG_PROJECT=1`` (beside ``COMPILE_PASS_SGLANG=1``) the SGLang plugin
-reads the draft's input projection when the draft model is loaded and, on the target's
-capturing forwards, projects each capture into one ``[T, H_draft]`` accumulator
-(``compile_pass.ProjectingAccumulator``) instead of packing it into ``[T, K*H]``. The logits
-processor then stores the projected tensor where it stored the packed one, and the draft
-reads it without projecting again:
+reads the draft's input projection when the draft model is loaded, registers it by name
+(``REGISTRY_NAME`` in ``compile_pass.draft_registry``) and, on the target's capturing
+forwards, projects each capture into one ``[T, H_draft]`` accumulator instead of packing it
+into ``[T, K*H]``: the packing list runs the registered draft's ops
+(``project_registered_``; ``finish_registered_`` when handed over) in eager forwards and in
+forwards Dynamo traces alike, by the constants of a ``CapturePlan``. The logits processor
+then stores the projected tensor where it stored the packed one, and the draft reads it
+without projecting again:
 
 - Eagle3 (``llama_eagle3.LlamaModel`` and drafts shaped like it: ``fc``,
   ``num_aux_hidden_states``, optional ``input_norm`` (``norm_before_fc``) or ``fc_norm`` (one
