@@ -169,6 +169,22 @@ def make_draft():
     PROJECT, _H = os.environ["PROJECT"], _cfg["hidden_size"]
     _HD = _env("DRAFT_HIDDEN", _H)
     g = torch.Generator().manual_seed(1)
+    if os.environ.get("DRAFT") == "sglang_dflash":
+        # SGLang's DFlash draft (dflash.DFlashDraftModel): fc [K*H -> H], then hidden_norm;
+        # its target layers those SETTER=dflash captures
+        from transformers import LlamaConfig
+        from sglang.srt.models.dflash import DFlashDraftModel
+        dc = LlamaConfig(hidden_size=_H, intermediate_size=_cfg["intermediate_size"], num_hidden_layers=1,
+                         num_attention_heads=_cfg["num_attention_heads"], num_key_value_heads=_cfg["num_key_value_heads"],
+                         head_dim=_cfg["head_dim"], vocab_size=_cfg["vocab_size"], rms_norm_eps=1e-5,
+                         max_position_embeddings=4096, rope_theta=10000.0)
+        dc.dflash_config = {"target_layer_ids": [i - 1 for i in m.model.layers_to_capture], "block_size": 16}
+        draft = DFlashDraftModel(dc).to(getattr(torch, _cfg["torch_dtype"])).requires_grad_(False)
+        with torch.no_grad():
+            for p_ in draft.parameters():
+                r_ = torch.randn(p_.shape, generator=g)
+                p_.copy_(1 + 0.1 * r_ if p_.dim() == 1 else r_ * p_.shape[-1] ** -0.5)
+        return draft
     if os.environ.get("DRAFT") == "sglang":
         from transformers import LlamaConfig
         from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
@@ -218,7 +234,11 @@ def draft_proposals(draft, target_hidden):
 
 
 def draft_reference(draft, packed):
-    """What the draft computes from the list path's packed captures (its norms, then fc)."""
+    """What the draft computes from the list path's packed captures (its norms, then fc; a
+    DFlash draft: its own ``project_target_hidden``, fc then hidden_norm)."""
+    if hasattr(draft, "project_target_hidden"):
+        with torch.no_grad():
+            return draft.project_target_hidden(packed)
     from compile_pass.ops import rms_norm as _rms
     inner, hidden = draft.model, _cfg["hidden_size"]
     with torch.no_grad():
@@ -319,6 +339,11 @@ if os.environ.get("PROJECT"):
     proj, o3 = run()
     _ref = draft_reference(_draft, h_off)
     _got = o3.hidden_states
+    if hasattr(_draft, "project_target_hidden"):
+        # DFlash: what its worker computes from the stored input (through the plugin's hook on
+        # project_target_hidden: hidden_norm alone on an input already projected)
+        with torch.no_grad():
+            _got = _draft.project_target_hidden(o3.hidden_states)
     # the width SGLang's draft-extend CUDA-graph runner sizes its static hidden-state buffer
     # with, through that module's own binding of the function (a draft runner's config)
     import types
