@@ -110,7 +110,7 @@ def test_the_packing_list_projects_each_capture_and_keeps_no_bytes_of_it(combine
     plugin.STATE["project"] = True
     lst, captures = _packing_list(K)
     assert len(lst) == K and all(e.shape == (5, 0) for e in lst)  # [T, 0] stand-ins: no bytes
-    expected = sp.registered().accumulator()
+    expected = ProjectingAccumulator(K, inner.fc.weight, norm_before_fc=inner.input_norm, fc_norms=inner.fc_norm)
     for c in captures:
         expected.append(c)
     assert torch.equal(plugin.projected_input(lst), expected.finalize())
@@ -160,11 +160,6 @@ def test_the_load_hook_registers_a_draft_workers_model_only():
 
     assert plugin._runner_load(load_model, Runner(False)) == "loaded" and sp.registered() is None
     assert plugin._runner_load(load_model, Runner(True)) == "loaded" and sp.registered().kind == "eagle3"
-
-
-def test_the_accumulator_is_the_packers_drop_in():
-    acc = sp.DraftInput("eagle3", "x", sp.DraftProjection.build(K, torch.randn(HD, K * H))).accumulator()
-    assert isinstance(acc, ProjectingAccumulator) and acc.copies_on_append
 
 
 def test_the_drafts_cuda_graph_buffers_are_sized_for_the_projected_input():

@@ -461,11 +461,11 @@ def projected_input(aux: Any) -> Optional[torch.Tensor]:
 
 def _project_packed(aux: Any) -> Optional[torch.Tensor]:
     """The registered Eagle3 draft's combine applied to captures that reached the logits
-    processor unprojected while its input is projected (a forward SGLang compiled, where the
-    list is SGLang's own; a list that fell back), so the draft, whose CUDA-graph buffers are
-    then ``H_draft`` wide, always reads ``[T, H_draft]``. Traced into a compiled forward, the
-    combine reads the captures' concat alone, and the capture pass (``fuse_projection``)
-    folds it into the captures where it can. None where no such draft fits ``aux``."""
+    processor unprojected while its input is projected (a list that fell back, or not ours),
+    so the draft, whose CUDA-graph buffers are then ``H_draft`` wide, always reads
+    ``[T, H_draft]``. Traced into a compiled forward, the combine reads the captures' concat
+    alone, and the capture pass (``fuse_projection``) folds it into the captures where it
+    can. None where no such draft fits ``aux``."""
     draft = sglang_projection.registered()
     if draft is None or draft.kind != "eagle3" or not isinstance(aux, (list, tuple)) \
             or len(aux) != draft.num_captures:

@@ -39,7 +39,7 @@ from compile_pass import draft_registry
 from compile_pass.draft_registry import DraftSignature
 from compile_pass.errors import AuxCaptureError
 from compile_pass.integrations.draft_layout import not_rms_norm, plain_fc
-from compile_pass.projection import DraftProjection, ProjectingAccumulator
+from compile_pass.projection import DraftProjection
 
 __all__ = ["ENV_PROJECT", "REGISTRY_NAME", "enabled_by_env", "DraftInput", "CapturePlan", "draft_input_of",
            "register_draft", "registered", "capture_plan", "clear", "plan_for", "projected_target_hidden",
@@ -65,17 +65,10 @@ class DraftInput:
     kind: str
     owner: str
     projection: DraftProjection
-    norm_before_fc: Any = None
-    fc_norms: Any = None
 
     @property
     def num_captures(self) -> int:
         return self.projection.num_captures
-
-    def accumulator(self) -> ProjectingAccumulator:
-        p = self.projection
-        return ProjectingAccumulator(p.num_captures, p.weight, fc_bias=p.bias, norm_before_fc=self.norm_before_fc,
-                                     fc_norms=self.fc_norms)
 
     def plan(self) -> "CapturePlan":
         p = self.projection
@@ -125,7 +118,7 @@ def draft_input_of(model: Any) -> Tuple[Optional[DraftInput], str]:
                 return None, f"{name}: {why}"
             projection = DraftProjection.build(k, weight, fc_bias=bias, norm_before_fc=norm,
                                                fc_norms=list(chunks) if chunks is not None else None)
-            return DraftInput("eagle3", name, projection, norm, list(chunks) if chunks is not None else None), ""
+            return DraftInput("eagle3", name, projection), ""
         if type(dflash).project_target_hidden.__qualname__.split(".")[0] != "DFlashDraftModel":
             return None, f"{name}: a DFlash variant with a projection of its own (project_target_hidden)"
         k = int(getattr(dflash, "num_context_features", 0))
