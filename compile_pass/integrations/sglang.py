@@ -135,14 +135,14 @@ class _PackingMixin:
 
     def _cp_write_slice(self, hidden: torch.Tensor) -> bool:
         if self._cp_packer is None and self._cp_plan is None:
+            if len(self) != 0 or hidden.dim() < 1:
+                self._cp_off = True
+                return False
             # K: from the model runner's forward; a CUDA-graph capture calls the model's
             # forward directly: the one capturing model configured in this process
             k = _num_captures.get()
             if k is None:
                 k = _configured_k()
-            if len(self) != 0 or hidden.dim() < 1:
-                self._cp_off = True
-                return False
             if STATE["project"]:
                 self._cp_plan, why = sglang_projection.plan_for(k, hidden)
                 if self._cp_plan is None and sglang_projection.registered() is not None:
