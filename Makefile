@@ -7,7 +7,24 @@ TORCH_PIN ?= torch==2.13.0
 HF_PIN    ?= transformers==5.24.0
 N         ?= 1000
 
-.PHONY: demo test test-fast compat vllm vllm-cpu sglang specforge engines-latest bench scale fuzz \
+# Every venv outside .venv (the torch releases, the engines) lives in COMPAT_DIR, made once and
+# reused, by uv (pip-installed into $(COMPAT_DIR)/uv the first time): downloads in parallel and
+# one package cache on the venvs' disk that every venv hardlinks from, so torch's CUDA
+# libraries, shared by several torch releases and engines, are fetched and unpacked once.
+# From an empty cache every venv below takes 1-2 minutes (docs/engines.md, "CI time").
+COMPAT_DIR   ?= $(HOME)/.cache/compile_pass
+UV_VERSION   ?= 0.13.9
+UV           := $(COMPAT_DIR)/uv/bin/uv
+export UV_CACHE_DIR ?= $(COMPAT_DIR)/uv-cache
+# $(call uv_into,VENV) ARGS: uv pip install -q into VENV (a venv made by $(call uv_venv,VENV))
+uv_into = "$(UV)" pip install -q -p "$(1)/bin/python"
+uv_venv = test -x "$(1)/bin/python" || "$(UV)" venv -q -p "$(PY)" "$(1)"
+
+$(UV):
+	$(PY) -m venv "$(COMPAT_DIR)/uv"
+	"$(COMPAT_DIR)/uv/bin/pip" install -q "uv==$(UV_VERSION)"
+
+.PHONY: demo test test-fast test-isa compat vllm vllm-cpu sglang specforge engines-latest bench scale fuzz \
         gpu-check gpu-dry-run clean
 
 $(VENV)/.installed-%: pyproject.toml
@@ -28,6 +45,14 @@ test: $(VENV)/.installed-test,hf
 test-fast: $(VENV)/.installed-test,hf
 	$(PYTHON) -m pytest -q -m "not inductor and not slow"
 
+# The Inductor-marked tests again with ATen's kernels and Inductor's generated C++ both on
+# another CPU vector ISA (ATEN_CPU_CAPABILITY; tests/test_cpu_isa.py checks that both follow
+# it): on an AVX-512 machine make test runs the avx512 paths, this the avx2 ones. A bitwise
+# claim that holds on one ISA only shows here on any x86 machine.
+ISA ?= avx2
+test-isa: $(VENV)/.installed-test,hf
+	ATEN_CPU_CAPABILITY=$(ISA) $(PYTHON) -m pytest -q -p no:cacheprovider -m inductor
+
 # The torch releases serving engines pin (SGLang 0.5.23: 2.14.1; vLLM 0.33.0 and 0.34.0 pin
 # 2.14.0, the same minor), the newest release (2.15.0) and the GPU machine's (2.11.0), each in
 # its own venv cached outside the clone (COMPAT_DIR; CUDA builds, about 5 GB each, run on the
@@ -40,7 +65,9 @@ test-fast: $(VENV)/.installed-test,hf
 # measurement, and that it prints only what the project prints), the checkout itself
 # installed editable without dependencies.
 COMPAT_TORCH ?= 2.14.1 2.15.0 2.11.0
-COMPAT_DIR   ?= $(HOME)/.cache/compile_pass
+# the CPU vector ISA each of those runs under (ATEN_CPU_CAPABILITY, which ATen's dispatch and
+# Inductor's C++ both follow; native: unset, the CPU's best): the Inductor sample meets both
+COMPAT_ISA   ?= native avx2 native
 COMPAT_TESTS ?= tests/test_packer.py tests/test_backend.py tests/test_memory.py \
                 tests/test_piecewise.py tests/test_explain.py tests/test_twins_and_lift.py \
                 tests/test_inductor.py tests/test_distinct_outputs.py tests/test_draft_registry.py
@@ -50,18 +77,19 @@ COMPAT_MARKS ?= not inductor or compat
 COMPAT_SKIP  ?= not node_table_agrees and not changed_span_bounds and not split_piecewise_peak \
                 and not cli_diff and not split_aot_eager and not (split_ops_pieces_equal and aot_eager) \
                 and not (pack_outputs_returns_adjacent and aot_eager) and not serves_every_token_count
-compat:
-	@set -e; for v in $(COMPAT_TORCH); do \
+compat: | $(UV)
+	@set -e; i=0; for v in $(COMPAT_TORCH); do \
 	  venv="$(COMPAT_DIR)/venv-torch$$v"; \
 	  if [ ! -f "$$venv/.installed" ]; then \
-	    echo "== creating $$venv (torch $$v, a CUDA build of about 5 GB)"; \
-	    $(PY) -m venv "$$venv"; \
-	    PIP_CONSTRAINT=/dev/null "$$venv/bin/pip" install -q "torch==$$v" numpy "pytest>=7" "hypothesis>=6"; \
+	    echo "== creating $$venv (torch $$v, a CUDA build)"; \
+	    $(call uv_venv,$$venv); \
+	    $(call uv_into,$$venv) "torch==$$v" numpy "pytest>=7" "hypothesis>=6"; \
 	    touch "$$venv/.installed"; \
 	  fi; \
-	  "$$venv/bin/pip" install -q --no-deps -e . >/dev/null; \
-	  echo "== torch $$v: $(COMPAT_TESTS)"; \
-	  TORCHINDUCTOR_CACHE_DIR="$(COMPAT_DIR)/inductor-cache-$$v" \
+	  $(call uv_into,$$venv) --no-deps -e . >/dev/null; \
+	  i=$$((i + 1)); isa=$$(echo $(COMPAT_ISA) | cut -d' ' -f$$i); [ "$$isa" != native ] || isa=; \
+	  echo "== torch $$v (ATEN_CPU_CAPABILITY=$${isa:-unset}): $(COMPAT_TESTS)"; \
+	  env $${isa:+ATEN_CPU_CAPABILITY=$$isa} TORCHINDUCTOR_CACHE_DIR="$(COMPAT_DIR)/inductor-cache-$$v" \
 	    "$$venv/bin/python" -m pytest -q -p no:cacheprovider -m "$(COMPAT_MARKS)" -k "$(COMPAT_SKIP)" $(COMPAT_TESTS); \
 	done
 
@@ -77,20 +105,20 @@ VLLM_VERSIONS         ?= 0.33.0 0.34.0
 VLLM_OVERRIDES_0.34.0 ?= flashinfer-python==0.7.4
 vllm_venv = $(COMPAT_DIR)/venv-vllm$(1)
 
-$(COMPAT_DIR)/venv-vllm%/.installed:
-	@echo "== creating $(@D) (vllm $*: about 9.5 GB)"
-	@test -x "$(@D)/bin/python" || $(PY) -m venv "$(@D)"
-	"$(@D)/bin/pip" install -q --no-deps "vllm==$*"
+$(COMPAT_DIR)/venv-vllm%/.installed: | $(UV)
+	@echo "== creating $(@D) (vllm $*)"
+	@$(call uv_venv,$(@D))
+	$(call uv_into,$(@D)) --no-deps "vllm==$*"
 	"$(@D)/bin/python" -m tools.requirements_of vllm $(addprefix --override ,$(VLLM_OVERRIDES_$*)) \
 	  > "$(@D)/requirements-vllm.txt"
-	"$(@D)/bin/pip" install -q -r "$(@D)/requirements-vllm.txt" "pytest>=7" "hypothesis>=6"
+	$(call uv_into,$(@D)) -r "$(@D)/requirements-vllm.txt" "pytest>=7" "hypothesis>=6"
 	@touch $@
 
 .PRECIOUS: $(COMPAT_DIR)/venv-vllm%/.installed
 vllm: $(foreach v,$(VLLM_VERSIONS),vllm-$(v))
 
 vllm-%: $(COMPAT_DIR)/venv-vllm%/.installed
-	@"$(call vllm_venv,$*)/bin/pip" install -q --no-deps -e . >/dev/null
+	@$(call uv_into,$(call vllm_venv,$*)) --no-deps -e . >/dev/null
 	@echo "== vllm $*: tests/test_vllm*.py"
 	@TORCHINDUCTOR_FX_GRAPH_CACHE=0 VLLM_DISABLE_COMPILE_CACHE=1 \
 	  "$(call vllm_venv,$*)/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm*.py
@@ -131,23 +159,19 @@ SGLANG_DEPS    ?= orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 
 # specforge 0.2.0 --no-deps, then DEPS; torch from make compat's venv-torchTORCH_VERSION
 # through a .pth where that exists, else installed), the checkout installed into it editable.
 define sglang_venv
-@set -e; venv="$(1)"; torchvenv="$(COMPAT_DIR)/venv-torch$(2)"; \
+@set -e; venv="$(1)"; \
 if [ ! -f "$$venv/.installed" ]; then \
-  echo "== creating $$venv (sglang $(3), specforge 0.2.0)"; \
-  $(PY) -m venv "$$venv"; \
-  sp=$$("$$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"); \
-  if [ -f "$$torchvenv/.installed" ]; then \
-    "$$torchvenv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > "$$sp/_torch_from_compat.pth"; \
-  else PIP_CONSTRAINT=/dev/null "$$venv/bin/pip" install -q "torch==$(2)"; fi; \
-  "$$venv/bin/pip" install -q --no-deps "sglang==$(3)" "specforge==0.2.0"; \
-  "$$venv/bin/pip" install -q $(4); \
+  echo "== creating $$venv (sglang $(3), specforge 0.2.0, torch $(2))"; \
+  $(call uv_venv,$$venv); \
+  $(call uv_into,$$venv) --no-deps "sglang==$(3)" "specforge==0.2.0"; \
+  $(call uv_into,$$venv) "torch==$(2)" $(4); \
   touch "$$venv/.installed"; \
 fi; \
-"$$venv/bin/pip" install -q --no-deps -e . >/dev/null
+$(call uv_into,$$venv) --no-deps -e . >/dev/null
 endef
 
 SGLANG_TORCH   ?= 2.14.1
-sglang:
+sglang: | $(UV)
 	$(call sglang_venv,$(SGLANG_VENV),$(SGLANG_TORCH),$(SGLANG_VERSION),$(SGLANG_DEPS))
 	@echo "== sglang $(SGLANG_VERSION): tests/test_sglang*.py tests/test_specforge*.py"
 	@"$(SGLANG_VENV)/bin/python" -m pytest -q -p no:cacheprovider $$(ls tests/test_sglang*.py tests/test_specforge*.py 2>/dev/null)
@@ -157,7 +181,7 @@ sglang:
 # pins, the rest as for make sglang; torch 2.11.0 (0.5.14's pin).
 SPECFORGE_VENV ?= $(COMPAT_DIR)/venv-sglang0.5.14
 SPECFORGE_DEPS ?= $(filter-out transformers==% torchvision==%,$(SGLANG_DEPS)) transformers==5.8.1 torchvision==0.26.0
-specforge:
+specforge: | $(UV)
 	$(call sglang_venv,$(SPECFORGE_VENV),2.11.0,0.5.14,$(SPECFORGE_DEPS))
 	@echo "== specforge 0.2.0 on sglang 0.5.14: tests/test_specforge_pinned_sglang.py"
 	@"$(SPECFORGE_VENV)/bin/python" -m pytest -q -p no:cacheprovider tests/test_specforge_pinned_sglang.py
