@@ -77,6 +77,18 @@ def test_eagle3_drafts_are_read_with_their_norms(combine):
     assert (found.projection.fc_norms is not None) is (combine == "fc_norms")
 
 
+def test_a_square_fc_is_refused_so_the_draft_never_takes_a_projection_for_its_packed_input():
+    """SGLang's Eagle3 drafts apply ``fc`` only to an input whose width differs from their
+    hidden size, and DFlash's projection is skipped by width: with ``H_draft == K*H`` a
+    projected input could not be told from the packed one. Refused with the reason."""
+    found, why = sp.draft_input_of(Draft(Eagle3Inner(fc=nn.Linear(K * H, K * H, bias=False))))
+    assert found is None and "fc is square" in why, why
+    dflash = DFlashDraftModel()
+    dflash.fc = nn.Linear(K * H, K * H, bias=False)
+    found, why = sp.draft_input_of(dflash)
+    assert found is None and "fc is square" in why, why
+
+
 def test_drafts_that_do_not_fit_are_refused_with_the_reason():
     quantized = nn.Linear(K * H, HD, bias=False)
     quantized.quant_method = FakeQuantMethod()

@@ -11,7 +11,7 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-__all__ = ["plain_fc", "is_rms_norm", "not_rms_norm"]
+__all__ = ["plain_fc", "column_shard", "is_rms_norm", "not_rms_norm"]
 
 
 def plain_fc(fc: Any) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], str]:
@@ -25,8 +25,33 @@ def plain_fc(fc: Any) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], s
         return None, None, f"its fc is quantized ({type(method).__name__})"
     if not weight.dtype.is_floating_point or weight.element_size() < 2:
         return None, None, f"its fc weight is {weight.dtype} (quantized)"
+    sharded = column_shard(fc, weight)
+    if sharded:
+        return None, None, sharded
+    if weight.shape[0] == weight.shape[1]:
+        return None, None, (f"its fc is square ({weight.shape[1]} -> {weight.shape[0]}): the projected input "
+                            f"would be as wide as the packed captures, nothing to save, and the draft tells "
+                            f"the two apart by width")
     bias = getattr(fc, "bias", None)
     return weight, bias if isinstance(bias, torch.Tensor) else None, ""
+
+
+def column_shard(fc: Any, weight: torch.Tensor) -> str:
+    """Why ``fc`` holds only this rank's rows of the projection (a column-parallel linear
+    that does not gather its output, as SGLang's Kimi-K2.5 Eagle3 draft builds it: each rank
+    ``[H_draft/tp, K*H]``, the draft all-gathers after ``fc``); "" for a whole weight. The
+    plugins project with the whole ``fc`` only: a shard would hand the draft
+    ``[T, H_draft/tp]``."""
+    total = getattr(fc, "output_size", None)
+    tp_size = getattr(fc, "tp_size", 1)
+    gathers = getattr(fc, "gather_output", True)
+    if isinstance(total, int) and total != weight.shape[0]:
+        return (f"its fc ({type(fc).__name__}) holds {weight.shape[0]} of its {total} output rows on this rank "
+                f"(column-parallel{'' if gathers else ', gather_output=False'}): the draft gathers after fc")
+    if gathers is False and isinstance(tp_size, int) and tp_size > 1:
+        return (f"its fc ({type(fc).__name__}) is column-parallel over {tp_size} ranks with gather_output=False: "
+                f"this rank holds a shard of the projection")
+    return ""
 
 
 def is_rms_norm(norm: Any) -> bool:

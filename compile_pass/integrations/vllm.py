@@ -100,9 +100,11 @@ class _ViewCatTorch:
             if nd >= 1 and dim in (-1, nd - 1):
                 from compile_pass.packer import packed_view
 
-                if vllm_projection.is_projection(tensors[0]) and all(t.shape[-1] == 0 for t in tensors[1:]):
+                if vllm_projection.is_standin_list(tensors):
+                    # the draft's projected input and its [T, 0] stand-ins: the projection, marked
+                    # so the draft's combine passes it on (a projection is never told by width)
                     stats["cat_views"] += 1
-                    return tensors[0]  # the draft's projected input and its [T, 0] stand-ins
+                    return vllm_projection.mark_projection(tensors[0])
                 view = packed_view(tensors)
                 if view is not None:
                     stats["cat_views"] += 1

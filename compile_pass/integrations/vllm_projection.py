@@ -14,9 +14,15 @@ is built, and registers it as ``compile_pass.draft_registry`` draft ``"vllm-draf
 - uncompiled targets: ``EagleModelMixin._maybe_add_hidden_state`` projects each capture
   into a ``ProjectingAccumulator`` (the list holds the finished projection and stand-ins);
 - the speculators' ``torch.cat(aux, dim=-1)`` of a projection and its stand-ins is the
-  projection itself, and the draft's ``combine_hidden_states`` passes an input already
-  ``H_draft`` wide straight on (``fc`` is not applied twice); DFlash's FULL-graph staging
-  buffer (``_aux_staging``) is ``[rows, H_draft]``.
+  projection itself, marked as one (``mark_projection``), and the registered draft's
+  ``combine_hidden_states`` passes a marked input straight on (``fc`` is not applied
+  twice). A projection is recognised by the mark, never by its width: anything unmarked
+  gets vLLM's own combine. DFlash's FULL-graph staging buffer (``_aux_staging``) is
+  replaced by a marked ``[rows, H_draft]`` one when its own speculator loads the registered
+  draft.
+
+A draft whose ``fc`` is square (``H_draft == K*H``) is refused (``draft_layout.plain_fc``):
+its projection would be as wide as the packed captures, so it would save nothing.
 
 Eagle3 drafts (Llama, Qwen3, DeepSeek) and the Qwen3 DFlash draft are recognised. Tensor
 parallel: vLLM's Eagle3 and DFlash ``fc`` are ``ReplicatedLinear`` and the captures are the
@@ -33,7 +39,7 @@ import logging
 import os
 import warnings
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -45,7 +51,8 @@ from compile_pass.packer import AuxCaptureError
 from compile_pass.projection import DraftProjection, ProjectingAccumulator
 
 __all__ = ["ENV_PROJECT", "DRAFT_NAME", "enabled_by_env", "projection_of", "register_draft", "draft_name",
-           "accumulator_for", "is_projection", "clear", "PROJECTION_SEAMS"]
+           "accumulator_for", "mark_projection", "is_projection", "is_standin_list", "stage_projection", "clear",
+           "PROJECTION_SEAMS"]
 
 logger = logging.getLogger("compile_pass.vllm")
 
@@ -148,12 +155,60 @@ def _fc_weight() -> Optional[torch.Tensor]:
     return weight if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
+# Tensors the plugin made or handed on as the draft's projected input, by id, each with a
+# weak reference that must still be that tensor (an id is reused once its tensor is freed).
+# A view of a marked staging buffer, all its columns, is one too (DFlash's FULL graphs read
+# ``self._aux_staging[:rows]``).
+_MARKED: Dict[int, "weakref.ref[torch.Tensor]"] = {}
+
+
+def mark_projection(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` as a projected draft input (what ``is_projection`` recognises); returns it."""
+    key = id(t)
+    _MARKED[key] = weakref.ref(t, lambda _ref, key=key: _MARKED.pop(key, None))
+    return t
+
+
+def _marked(t: Any) -> bool:
+    ref = _MARKED.get(id(t))
+    return ref is not None and ref() is t
+
+
 def is_projection(t: Any) -> bool:
-    """Whether ``t`` is ``[*, H_draft]`` of the registered draft (not its ``K*H`` input)."""
-    weight = _fc_weight()
-    if weight is None or not isinstance(t, torch.Tensor) or t.dim() < 1:
+    """Whether ``t`` is a projected draft input the plugin made or handed on: marked, or a
+    row slice of a marked buffer (all of its columns). Never decided by width."""
+    if not isinstance(t, torch.Tensor):
         return False
-    return t.shape[-1] == weight.shape[0] != weight.shape[1]
+    if _marked(t):
+        return True
+    base = t._base
+    return (base is not None and _marked(base) and t.dim() == base.dim() and t.shape[-1] == base.shape[-1]
+            and t.stride() == base.stride())
+
+
+def is_standin_list(tensors: Any) -> bool:
+    """Whether ``tensors`` (a list or tuple) is a projection's output layout: a first tensor
+    and at least one ``[..., 0]`` stand-in after it (a real capture is never 0 wide)."""
+    return (isinstance(tensors, (list, tuple)) and len(tensors) >= 2
+            and all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors)
+            and all(t.shape[-1] == 0 for t in tensors[1:]) and tensors[0].shape[-1] > 0)
+
+
+def stage_projection(speculator: Any) -> bool:
+    """After ``speculator`` loaded its draft: if that draft is the registered one and the
+    speculator keeps a FULL-graph staging buffer ``[rows, K*H]`` (DFlash), replace it by a
+    marked ``[rows, H_draft]`` buffer, what the ``cat(..., out=)`` of a projection fills.
+    True if replaced. Another speculator's buffer is never touched."""
+    staging = getattr(speculator, "_aux_staging", None)
+    weight = _fc_weight()
+    if not isinstance(staging, torch.Tensor) or weight is None or getattr(speculator, "model", None) is not _owner():
+        return False
+    if staging.dim() != 2 or staging.shape[-1] != weight.shape[1]:
+        return False
+    speculator._aux_staging = mark_projection(staging.new_zeros((staging.shape[0], weight.shape[0])))
+    logger.info("compile_pass vLLM plugin: %s's FULL-graph staging is [%d, %d] (the projected input)",
+                type(speculator).__name__, staging.shape[0], weight.shape[0])
+    return True
 
 
 # ---------------------------------------------------------------- the seams' wrappers
@@ -181,26 +236,17 @@ def _combine_passes_projection(original: Callable) -> Callable:
     return combine_hidden_states
 
 
-class _ProjectedStaging:
-    """Data descriptor for ``DFlashSpeculator._aux_staging`` (the FULL graph's fixed-address
-    ``[rows, K*H]`` copy of the captures): while a draft is registered it is ``[rows,
-    H_draft]``, what the speculator's ``cat(..., out=)`` of a projection writes."""
+def _stage_after_load(original: Callable) -> Callable:
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        try:
+            stage_projection(self)
+        except Exception as e:  # noqa: BLE001  never a broken speculator: its staging stays as built
+            logger.warning("compile_pass vLLM plugin: resizing the DFlash staging failed (%s: %s)", type(e).__name__, e)
+        return out
 
-    name = "_aux_staging"
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        staging = obj.__dict__.get(self.name)
-        weight = _fc_weight()
-        if isinstance(staging, torch.Tensor) and weight is not None:
-            if staging.shape[-1] == weight.shape[1] != weight.shape[0]:
-                staging = staging.new_zeros((*staging.shape[:-1], weight.shape[0]))
-                obj.__dict__[self.name] = staging
-        return staging
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__[self.name] = value
+    load_model.__wrapped__ = original
+    return load_model
 
 
 #: the draft classes whose combine the plugin takes: (module, class, optional)
@@ -236,7 +282,8 @@ def _locate_dflash_staging() -> List[Patch]:
             "DFlashSpeculator.__init__ no longer allocates self._aux_staging")
     require("out=self._aux_staging[" in source_of(spec), "DFlashSpeculator no longer stages the captures "
                                                           "with cat(..., out=self._aux_staging[...])")
-    return [Patch(spec, "_aux_staging", _ProjectedStaging())]
+    require(callable(getattr(spec, "load_model", None)), "DFlashSpeculator has no load_model (where its draft is built)")
+    return [Patch(spec, "load_model", _stage_after_load(spec.load_model))]
 
 
 #: the projection's seams (``COMPILE_PASS_VLLM_PROJECT=1``), probed only then
@@ -247,8 +294,8 @@ PROJECTION_SEAMS: List[Seam] = [
            locate=_locate_draft_class(module, cls, optional), optional=optional,
            upstream="")
       for module, cls, optional in DRAFT_CLASSES],
-    Seam("vllm.v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator._aux_staging",
-         change="a descriptor: the FULL graph's staging buffer is [rows, H_draft] while a draft is registered",
+    Seam("vllm.v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator.load_model",
+         change="after its draft loads: the FULL graph's staging buffer [rows, H_draft], marked, if that draft is registered",
          reason="the buffer is allocated inside __init__", locate=_locate_dflash_staging, optional=True,
          upstream=""),
 ]
