@@ -28,7 +28,7 @@ from compile_pass.errors import AuxCaptureError
 from compile_pass.projection import DraftProjection, finish_, project_term_
 
 __all__ = ["DraftSignature", "RegisteredDraft", "register", "unregister", "lookup", "registered_names",
-           "project_registered_", "finish_registered_"]
+           "finished_count", "project_registered_", "finish_registered_"]
 
 logger = logging.getLogger("compile_pass.draft_registry")
 
@@ -89,6 +89,11 @@ class RegisteredDraft:
 
 _LOCK = threading.Lock()
 _DRAFTS: Dict[str, RegisteredDraft] = {}
+# projected inputs finished per draft name, counted where ``finish_registered_`` runs: in
+# eager code and inside compiled graphs alike (an opaque op runs at every call; a Python
+# counter in a traced function would be a guard). A CUDA graph's replay runs no Python:
+# there it counts the capture only.
+_FINISHED: Dict[str, int] = {}
 
 
 def register(name: str, owner: str, resolve: Callable[[int], DraftProjection]) -> RegisteredDraft:
@@ -105,6 +110,13 @@ def register(name: str, owner: str, resolve: Callable[[int], DraftProjection]) -
 def unregister(name: str) -> None:
     with _LOCK:
         _DRAFTS.pop(name, None)
+
+
+def finished_count(name: str) -> int:
+    """How many projected inputs of the draft ``name`` ``finish_registered_`` has finished in
+    this process (compiled forwards included): what confirms a projection happened."""
+    with _LOCK:
+        return _FINISHED.get(name, 0)
 
 
 def registered_names() -> Tuple[str, ...]:
@@ -152,6 +164,11 @@ def finish_registered_(acc: torch.Tensor, sumsq: Optional[torch.Tensor], draft: 
                        num_captures: int) -> None:
     """The registered ``draft``'s combine finished on ``acc`` in place (``projection.finish_``)."""
     finish_(_projection_for(draft, signature, num_captures), acc, sumsq)
+    with _LOCK:
+        first = draft not in _FINISHED
+        _FINISHED[draft] = _FINISHED.get(draft, 0) + 1
+    if first:
+        logger.info("compile_pass: the first projected input of draft %r finished (%s)", draft, signature)
 
 
 @finish_registered_.register_fake

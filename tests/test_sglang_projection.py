@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from compile_pass import ProjectingAccumulator
+from compile_pass import ProjectingAccumulator, draft_registry
 from compile_pass.integrations import sglang as plugin
 from compile_pass.integrations import sglang_projection as sp
 
@@ -225,11 +225,14 @@ def test_a_forward_dynamo_traces_projects_each_capture_as_the_eager_list_does(co
 
     torch._dynamo.reset()
     eager_h, eager_input, eager_aux = forward(x0, layer)
-    if where == "layer graphs":
-        h, projected, aux = forward(x0, torch.compile(layer, backend="aot_eager", fullgraph=True))
-        assert all(e.shape == (7, 0) for e in aux)
-    else:
-        h, projected = torch.compile(lambda x: forward(x, layer)[:2], backend="aot_eager", fullgraph=True)(x0)
+    finished = draft_registry.finished_count(sp.REGISTRY_NAME)
+    for _ in range(2):  # what confirms the projection, compiled as eager: the finishing op's count
+        if where == "layer graphs":
+            h, projected, aux = forward(x0, torch.compile(layer, backend="aot_eager", fullgraph=True))
+            assert all(e.shape == (7, 0) for e in aux)
+        else:
+            h, projected = torch.compile(lambda x: forward(x, layer)[:2], backend="aot_eager", fullgraph=True)(x0)
+    assert draft_registry.finished_count(sp.REGISTRY_NAME) == finished + 2
     assert torch.equal(h, eager_h) and projected.shape == (7, HD)
     assert torch.equal(projected, eager_input)
     assert all(e.shape == (7, 0) for e in eager_aux)
