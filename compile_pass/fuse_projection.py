@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 import compile_pass.ops  # noqa: F401  (registers the projection ops)
-from compile_pass.dataflow import is_cat, tensor_value
+from compile_pass.dataflow import is_cat, op_name, tensor_value
 from compile_pass.draft_registry import DraftSignature, finish_registered_, project_registered_
 from compile_pass.norm_match import RMSNormMatch, chunk_readers, match_rms_norm
 
@@ -64,16 +64,15 @@ _PROJECTIONS = (_PROJECT, _PROJECT_BINARY, _PROJECT_NORMED, _PROJECT_SCALED, _PR
 _EMPTY = torch.ops.aten.empty.memory_format
 
 _aten = torch.ops.aten
-_LINEARS = (torch._C._nn.linear, torch.nn.functional.linear, _aten.linear.default)
 _FLATTENS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
-_TRANSPOSES = (_aten.t.default, _aten.permute.default, _aten.transpose.int)
 
 
 @dataclass(frozen=True)
 class FcReader:
     """The draft's combine reading a concat: ``out`` is the node whose value is
     ``[*, H_draft]`` (the linear, or the mm/addmm), ``flat`` the view flattening its input to
-    2-D, if any; ``norm``: an RMSNorm over the whole concat before ``fc``; ``chunk_norms``:
+    2-D, if any; ``product``: the ``x @ W.T`` an ``out`` that adds the bias reads, if the
+    bias is a separate add; ``norm``: an RMSNorm over the whole concat before ``fc``; ``chunk_norms``:
     one RMSNorm per capture instead; ``between``: the nodes from the concat to ``fc``'s
     input (the norms, the split, the second concat), read by nothing else."""
 
@@ -82,6 +81,7 @@ class FcReader:
     bias: Optional[fx.Node]
     flat: Optional[fx.Node]
     transpose: Optional[fx.Node]
+    product: Optional[fx.Node] = None
     norm: Optional[RMSNormMatch] = None
     chunk_norms: Tuple[RMSNormMatch, ...] = ()
     between: Tuple[fx.Node, ...] = ()
@@ -101,23 +101,51 @@ def _only_user(node: fx.Node) -> Optional[fx.Node]:
 
 
 def _is_transpose_of(node: object) -> Optional[fx.Node]:
-    """``W`` if ``node`` is ``W``'s 2-D transpose, else None."""
-    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target not in _TRANSPOSES:
+    """``W`` if ``node`` is ``W``'s 2-D transpose, in any spelling (``t``, ``W.T``, ``W.mT``,
+    ``permute(1, 0)``, ``transpose(0, 1)`` / ``(-1, -2)``; torch or aten IR), else None."""
+    if not isinstance(node, fx.Node) or not node.args:
         return None
-    if node.target is _aten.permute.default and list(node.args[1]) != [1, 0]:
-        return None
-    if node.target is _aten.transpose.int and sorted(node.args[1:3]) not in ([0, 1], [-2, -1], [-1, 0]):
-        return None
+    name = op_name(node)
     source = node.args[0]
+    if name in ("t", "numpy_T"):
+        pass
+    elif name == "getattr":
+        if node.args[1:] not in (("T",), ("mT",)):
+            return None
+    elif name == "permute":
+        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        if [d % 2 if isinstance(d, int) else d for d in dims] != [1, 0]:
+            return None
+    elif name == "transpose":
+        dims = node.args[1:3]
+        if len(dims) != 2 or not all(isinstance(d, int) for d in dims) or sorted(d % 2 for d in dims) != [0, 1]:
+            return None
+    else:
+        return None
     value = tensor_value(source) if isinstance(source, fx.Node) else None
     return source if value is not None and value.dim() == 2 else None
 
 
+_FC_NAMES = ("linear", "mm", "matmul", "addmm")
+
+
 def _is_fc_input(node: fx.Node) -> bool:
-    """Whether ``node`` is a flattening view or a linear / mm / addmm (what reads the
-    combine's input)."""
-    return node.op == "call_function" and (node.target in _FLATTENS or node.target in _LINEARS
-                                           or node.target in (_aten.mm.default, _aten.addmm.default))
+    """Whether ``node`` is a flattening view or a linear / mm / matmul / addmm (what reads
+    the combine's input)."""
+    return node.op == "call_function" and (node.target in _FLATTENS or op_name(node) in _FC_NAMES)
+
+
+def _bias_add(product: fx.Node, out_features: int) -> Optional[Tuple[fx.Node, fx.Node]]:
+    """``(add, bias)`` if ``product``'s one reader adds a ``[out_features]`` tensor to it
+    (``x @ W.T + b``), else None."""
+    add = _only_user(product)
+    if add is None or op_name(add) != "add" or len(add.args) != 2 or add.kwargs:
+        return None
+    bias = add.args[1] if add.args[0] is product else add.args[0] if add.args[1] is product else None
+    value = tensor_value(bias) if isinstance(bias, fx.Node) else None
+    if value is None or tuple(value.shape) != (out_features,):
+        return None
+    return add, bias
 
 
 def _norms_before_fc(cat: fx.Node, widths: Sequence[int]) -> Tuple[Optional[fx.Node], dict, str]:
@@ -171,17 +199,25 @@ def fc_reading(cat: fx.Node, widths: Sequence[int]) -> Tuple[Optional[FcReader],
         flat, user = user, _only_user(user)
         if user is None:
             return None, "the flattened concat has more than one reader"
-    not_fc = f"the reader {user.name} of the draft's input is not its fc (linear, mm, addmm)"
+    not_fc = (f"the reader {user.name} ({op_name(user) or user.op}) of the draft's input is not its fc "
+              f"(linear, mm, matmul or addmm of the input and W's transpose)")
     if user.op != "call_function":
         return None, not_fc
-    weight = bias = transpose = None
-    if user.target in _LINEARS and user.args and user.args[0] is (flat or head):
+    name, reads = op_name(user), flat or head
+    weight = bias = transpose = product = None
+    if name == "linear" and user.args and user.args[0] is reads:
         weight = user.args[1] if len(user.args) > 1 else user.kwargs.get("weight")
         bias = user.args[2] if len(user.args) > 2 else user.kwargs.get("bias")
-    elif user.target is _aten.mm.default and user.args[0] is (flat or head):
+    elif name in ("mm", "matmul") and user.args[:1] == (reads,) and len(user.args) == 2 and not user.kwargs:
         transpose = user.args[1]
         weight = _is_transpose_of(transpose)
-    elif user.target is _aten.addmm.default and user.args[1] is (flat or head) \
+        if weight is None:
+            return None, f"{user.name} multiplies the draft's input by {getattr(transpose, 'name', transpose)}, " \
+                         f"not by a 2-D weight's transpose"
+        added = _bias_add(user, tensor_value(weight).shape[0])
+        if added is not None:  # x @ W.T + b: the add is the fc's output
+            product, (user, bias) = user, added
+    elif name == "addmm" and len(user.args) == 3 and user.args[1] is reads \
             and user.kwargs.get("beta", 1) == 1 and user.kwargs.get("alpha", 1) == 1:
         bias, transpose = user.args[0], user.args[2]
         weight = _is_transpose_of(transpose)
@@ -196,7 +232,7 @@ def fc_reading(cat: fx.Node, widths: Sequence[int]) -> Tuple[Optional[FcReader],
     if not value.dtype.is_floating_point:
         return None, f"the fc's weight is {value.dtype} (a quantized fc): packed as without the option"
     return FcReader(user, weight, bias, flat, transpose if isinstance(transpose, fx.Node) else None,
-                    **found), ""
+                    product=product, **found), ""
 
 
 #: ops that make a weight out of a parameter without computing, or read (and convert) a
@@ -297,7 +333,7 @@ def fuse_into_accumulator(graph: fx.Graph, buffer: fx.Node, fc: FcReader) -> fx.
     combine."""
     writes = _writes_of(graph, buffer)
     readers = [u for u in buffer.users if u not in writes]
-    combine = set(fc.between) | {fc.flat or fc.out}
+    combine = set(fc.between) | {fc.flat or fc.product or fc.out}
     if not readers or any(r not in combine for r in readers):
         raise ValueError(f"the packed buffer is read by {', '.join(u.name for u in readers)}, not only the "
                          f"draft's combine")
@@ -353,7 +389,7 @@ def fuse_into_accumulator(graph: fx.Graph, buffer: fx.Node, fc: FcReader) -> fx.
         result = acc
     fc.out.replace_all_uses_with(result)
     graph.erase_node(fc.out)
-    for node in (fc.flat, fc.transpose, *reversed(fc.between)):
+    for node in (fc.product, fc.flat, fc.transpose, *reversed(fc.between)):
         if node is not None and not node.users:
             graph.erase_node(node)
     if not buffer.users:

@@ -135,12 +135,14 @@ def match_rms_norm(x: fx.Node) -> Tuple[Optional[RMSNormMatch], str]:
     if len(readers) == 1 and op_name(readers[0]) in _ONE_CALL:
         return _single_call(x, readers[0], width)
     interior = []
-    u = x
-    if len(readers) == 1 and _is_cast_of(readers[0], x):
-        u = readers[0]
-        interior.append(u)
-        readers = list(u.users)
-    squares = [r for r in readers if _is_square_of(r, u)]
+    us = [x]  # x as the norm computes in it: x, or its cast (one node, or one per use, as
+    #          ``x.float() * rsqrt(x.float().pow(2).mean(...))`` traces)
+    if readers and all(_is_cast_of(r, x) for r in readers) \
+            and len({tensor_value(r).dtype for r in readers}) == 1:
+        us = readers
+        interior.extend(us)
+        readers = [r for u in us for r in u.users]
+    squares = [r for r in readers if any(_is_square_of(r, u) for u in us)]
     if len(readers) != 2 or len(squares) != 1:
         return None, (f"{x.name}'s readers ({', '.join(r.name for r in readers)}) are not an RMSNorm's "
                       f"square and scale")
@@ -157,8 +159,8 @@ def match_rms_norm(x: fx.Node) -> Tuple[Optional[RMSNormMatch], str]:
     rsqrt = _only_user(add)
     if rsqrt is None or op_name(rsqrt) != "rsqrt" or rsqrt.args[:1] != (add,):
         return None, f"{add.name} is not followed by rsqrt"
-    if _only_user(rsqrt) is not scale or op_name(scale) != "mul" or _other(scale, rsqrt) is not u:
-        return None, f"{scale.name} is not {u.name} * rsqrt(mean square + eps)"
+    if _only_user(rsqrt) is not scale or op_name(scale) != "mul" or _other(scale, rsqrt) not in us:
+        return None, f"{scale.name} is not {us[0].name} * rsqrt(mean square + eps)"
     interior += [square, mean, add, rsqrt, scale]
     output = scale
     after = _only_user(output)
@@ -218,8 +220,8 @@ def chunk_readers(x: fx.Node, widths: Sequence[int]) -> Tuple[Optional[Tuple[fx.
         if any(op_name(n) != "getitem" for n in items) or [n.args[1] for n in items] != list(range(len(widths))):
             return None, (), f"{split.name}'s pieces are not read one each"
         dim = _arg(split, 2, "dim", 0)
-        if op_name(split) == "chunk" or not _is_last_dim(dim, ndim):
-            return None, (), f"{split.name} does not split the last dim"
+        if not _is_last_dim(dim, ndim):
+            return None, (), f"{split.name} ({op_name(split)}) splits dim {dim}, not the last ({ndim - 1} or -1)"
         pieces = [tensor_value(n) for n in items]
         if any(p is None or p.shape[-1] != w for p, w in zip(pieces, widths)):
             return None, (), f"{split.name}'s pieces are not the captures' widths {list(widths)}"
@@ -227,19 +229,21 @@ def chunk_readers(x: fx.Node, widths: Sequence[int]) -> Tuple[Optional[Tuple[fx.
     if len(readers) == len(widths):
         bounds = {}
         for r in readers:
-            start, v = _last_dim_start(r, ndim), tensor_value(r)
+            start, v = _last_dim_start(r, ndim, value.shape[-1] if value is not None else None), tensor_value(r)
             if start is None or v is None:
-                return None, (), f"{r.name} is not a last-dim slice"
+                return None, (), f"{r.name} ({op_name(r) or r.op}) is not a last-dim slice of {x.name}"
             bounds[start] = (r, v.shape[-1])
         if sorted(bounds) != starts or any(bounds[s][1] != w for s, w in zip(starts, widths)):
             return None, (), "the slices are not the captures' widths"
         return tuple(bounds[s][0] for s in starts), (), ""
-    return None, (), "not split into the captures' widths"
+    names = ", ".join(f"{r.name} ({op_name(r) or r.op})" for r in readers)
+    return None, (), f"{x.name} is read by {names}, not split into the captures' widths {list(widths)}"
 
 
-def _last_dim_start(node: fx.Node, ndim: int) -> Optional[int]:
+def _last_dim_start(node: fx.Node, ndim: int, width: Any = None) -> Optional[int]:
     """Where ``node``'s last-dim slice of its input starts, if ``node`` is one (``slice``,
-    ``narrow``, or indexing by slices that are whole but for the last dim)."""
+    ``narrow``, or indexing by slices that are whole but for the last dim); a negative
+    start counts from ``width``, the input's last-dim size, where that is a number."""
     name = op_name(node)
     if name == "slice":
         dim, start, step = _arg(node, 1, "dim", 0), _arg(node, 2, "start", 0), _arg(node, 4, "step", 1)
@@ -256,4 +260,6 @@ def _last_dim_start(node: fx.Node, ndim: int) -> Optional[int]:
         start = 0 if ok and start is None else start
     else:
         return None
+    if ok and isinstance(start, int) and start < 0 and isinstance(width, int):
+        start += width
     return start if ok and isinstance(start, int) and start >= 0 else None
