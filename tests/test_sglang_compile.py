@@ -125,6 +125,7 @@ def _fused_then_clone(h, r):
     return r.clone(), h * 2
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize("plugin", ["off", "on"])
 def test_clone_of_a_mutated_residual_is_a_copy(plugin, request):
     """Stock Inductor hands back the mutated input for ``r.clone()``; with the plugin's
@@ -145,6 +146,7 @@ def test_clone_of_a_mutated_residual_is_a_copy(plugin, request):
         assert torch.equal(capture, expected)
 
 
+@pytest.mark.inductor
 def test_communicator_decoder_whole_graph_equals_uncompiled_and_packs():
     """SGLang's way: the whole forward (cat included) compiled by plain torch.compile, the
     global config stock then as the plugin sets it; captures equal the uncompiled model's,

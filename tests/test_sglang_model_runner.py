@@ -65,6 +65,7 @@ def test_model_runner_extend_packed_in_place(tmp_path, case):
         assert res["bypass_bitwise"] and res["bypass_overhead_on"] <= 1.01 and res["packed_views"] == 2, res
 
 
+@pytest.mark.inductor  # COMPILE=1: SGLang's Inductor compile of model.forward (in the subprocess)
 def test_enable_torch_compile_forward_plugin_on_equals_off(tmp_path):
     """SGLang's compile of model.forward (its set_torch_compile_config and patch_model):
     with the plugin (its list, and its passes scoped to patch_model's context by the
@@ -78,6 +79,7 @@ def test_enable_torch_compile_forward_plugin_on_equals_off(tmp_path):
     assert res["aux_capture"].get("groups_found", 0) >= 1, res  # the pass ran inside SGLang's compile
 
 
+@pytest.mark.inductor  # COMPILE=1, as above
 def test_enable_torch_compile_forward_hands_the_draft_its_projected_input(tmp_path):
     """COMPILE_PASS_SGLANG_PROJECT=1 and SGLang's compiled model.forward: the packing list,
     traced by Dynamo in each graph SGLang's CPU build breaks the forward into, projects each

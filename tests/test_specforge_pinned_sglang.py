@@ -55,6 +55,7 @@ def test_dflash_k12_compiled_inner_model_packs_in_place(tmp_path):
     assert res["peak_on"] < res["peak_off"], res
 
 
+@pytest.mark.inductor  # INNER=inductor (in the subprocess)
 def test_eagle3_k3_inductor_within_rounding_of_the_eager_list_path(tmp_path):
     """Inductor, the plugin's default inner, Eagle3's default layers [2, L//2, L-3]: every
     capture within Inductor's rounding of SGLang's eager list path, the logits store a view."""

@@ -74,52 +74,82 @@ def _check(backend, style, mode="VLLM_COMPILE"):
     return rows, overhead, rh, torch.cat(raux, -1), rsmall
 
 
-def _assert_plugin_rows(rows, overhead, rh, rp, rsmall):
+#: an Inductor build vs the uncompiled model: Inductor's C++ silu (an exp) rounds an ulp off
+#: ATen's on some CPUs (AVX-512), and the layers after carry it on; a capture holding another
+#: layer's residual is off by O(1)
+INDUCTOR_CLOSE = dict(rtol=1e-5, atol=1e-5)
+
+
+def _same(a, b, exact):
+    """Bitwise where both sides run the same kernels, else within ``INDUCTOR_CLOSE``."""
+    if exact:
+        return torch.equal(a, b)
+    torch.testing.assert_close(a, b, **INDUCTOR_CLOSE)
+    return True
+
+
+def _assert_plugin_rows(rows, overhead, rh, rp, rsmall, exact=True, list_build_right=True):
+    """``exact``: eager pieces run ATen's kernels, as the uncompiled model does, so the outputs
+    are bitwise its own. Inductor pieces (``exact=False``) are bitwise vLLM's Inductor builds
+    without the plugin (the captures too where that list build is right: ``list_build_right``)
+    and within ``INDUCTOR_CLOSE`` of the uncompiled model."""
     peak, h, packed, others = rows[True][True]
     assert overhead[True] <= 1.02, overhead
     # the model's own output is bitwise vLLM's build without the plugin, and without captures
     assert torch.equal(h, rows[False][True][1])
     assert torch.equal(h, rows[True][False][1])
-    assert torch.equal(h, rh)
+    if not exact and list_build_right:
+        # the captures are bitwise vLLM's Inductor list build's (the plugin off), at every token count
+        _, _, off_packed, off_others = rows[False][True]
+        assert torch.equal(packed, off_packed)
+        for (oh, oaux), (fh, faux) in zip(others, off_others):
+            assert torch.equal(oh, fh) and torch.equal(_speculator_cat(oaux), torch.cat(faux, -1))
+    assert _same(h, rh, exact)
     # the captures equal the uncompiled list path's, at every token count
-    assert torch.equal(packed, rp)
+    assert _same(packed, rp, exact)
     for (oh, oaux), (sh, saux) in zip(others, rsmall):
-        assert torch.equal(oh, sh)
-        assert torch.equal(_speculator_cat(oaux), torch.cat(saux, -1))
+        assert _same(oh, sh, exact)
+        assert _same(_speculator_cat(oaux), torch.cat(saux, -1), exact)
     # the speculator's concat was a view of the graph's packed buffer
     assert plugin.stats["cat_views"] >= 1
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
+BACKENDS = ["eager", pytest.param("inductor", marks=pytest.mark.inductor)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_vllm_pieces_sum_captures(plugin_off, backend):
     before = dict(plugin.stats)
     rows, overhead, rh, rp, rsmall = _check(backend, "sum")
     assert overhead[False] >= 1.10, overhead  # the list path + the speculator's cat
-    _assert_plugin_rows(rows, overhead, rh, rp, rsmall)
+    _assert_plugin_rows(rows, overhead, rh, rp, rsmall, exact=backend == "eager")
     assert plugin.stats["groups_rewritten"] > before["groups_rewritten"]
     if backend == "inductor":
         assert plugin.stats["piece_passes"] > before["piece_passes"]
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_vllm_one_graph_mode_dynamo_trace_once(plugin_off, backend):
     """DYNAMO_TRACE_ONCE (what vLLM's CPU platform forces): one graph, no split, the backend
     a stock name. The plugin's ``init_backend`` hands vLLM ``aux_capture`` with that inner
     and ``pack_outputs``: the returned captures are one buffer's slices, the speculator's
-    concat a view, the outputs bitwise the uncompiled model's."""
+    concat a view, the outputs bitwise the uncompiled model's (eager) or vLLM's Inductor
+    build without the plugin (inductor)."""
     before = dict(plugin.stats)
     rows, overhead, rh, rp, rsmall = _check(backend, "sum", mode="DYNAMO_TRACE_ONCE")
     assert overhead[False] >= 1.10, overhead
-    _assert_plugin_rows(rows, overhead, rh, rp, rsmall)
+    _assert_plugin_rows(rows, overhead, rh, rp, rsmall, exact=backend == "eager")
     assert plugin.stats["groups_rewritten"] > before["groups_rewritten"]
     assert plugin.stats["piece_passes"] == before["piece_passes"]  # no split, no pieces
 
 
+@pytest.mark.inductor
 def test_vllm_one_graph_mode_with_aot_compile(plugin_off, tmp_path, monkeypatch):
     """vLLM's ahead-of-time compile (on by default with its compile cache, torch >= 2.10)
     refuses a backend result that is not a ``SerializableCallable``: the plugin's Inductor
     result is one, saved to vLLM's cache and loaded back by the next build (which vLLM then
-    recompiles, as it does without the plugin on this mode: ``finalize_loading``)."""
+    recompiles, as it does without the plugin on this mode: ``finalize_loading``): bitwise
+    the first build, within Inductor's rounding of the uncompiled model."""
     from vllm.compilation.counter import compilation_counter
 
     monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "0")
@@ -132,11 +162,15 @@ def test_vllm_one_graph_mode_with_aot_compile(plugin_off, tmp_path, monkeypatch)
     x = torch.randn(300, 256)
     with torch.no_grad():
         rh, raux = ref(x)
+    outs = []
     for _ in range(2):
         model, run, _ = H.build("inductor", style="sum", capture_at=CAPTURES, mode="DYNAMO_TRACE_ONCE")
         model.load_state_dict(ref.state_dict())
         h, aux = run(x)
-        assert torch.equal(h, rh) and torch.equal(_speculator_cat(aux), torch.cat(raux, -1))
+        outs.append((h.clone(), _speculator_cat(aux).clone()))
+        _same(h, rh, exact=False)
+        _same(outs[-1][1], torch.cat(raux, -1), exact=False)
+    assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
     assert compilation_counter.num_aot_artifacts_saved > saved
     assert list(tmp_path.rglob("model")), "no AOT artifact in vLLM's cache"
 
@@ -173,15 +207,19 @@ def test_init_backend_wraps_only_one_graph_modes_stock_names(plugin_off, monkeyp
     assert cfg.compilation_config.inductor_compile_config == users  # stock Inductor as without us
 
 
+@pytest.mark.inductor
 def test_vllm_inductor_pieces_clone_captures(plugin_off):
     """``residual.clone()`` after an in-place fused norm: stock Inductor pieces hand back the
     mutated residual itself (the captures all read the last residual); with the plugin
-    (DistinctOutputsPass in every piece) they equal the uncompiled model's."""
+    (DistinctOutputsPass in every piece) they equal the uncompiled model's (within Inductor's
+    rounding: no list build here is right to compare with bitwise)."""
     rows, overhead, rh, rp, rsmall = _check("inductor", "clone")
-    _assert_plugin_rows(rows, overhead, rh, rp, rsmall)
-    assert not torch.equal(rows[False][True][2], rp)  # the hazard, measured without the plugin
+    _assert_plugin_rows(rows, overhead, rh, rp, rsmall, exact=False, list_build_right=False)
+    # the hazard, measured without the plugin: off by far more than rounding
+    assert not torch.allclose(rows[False][True][2], rp, **INDUCTOR_CLOSE)
 
 
+@pytest.mark.inductor
 def test_vllm_inductor_pieces_native_norm(plugin_off):
     """vLLM's ``RMSNorm.forward_native`` style (the norm's ``hidden + residual`` in torch: a
     piece computes the capture's sum a second time), Inductor pieces. Inductor fuses the
@@ -199,6 +237,7 @@ def test_vllm_inductor_pieces_native_norm(plugin_off):
         assert torch.equal(a, b) and torch.equal(_speculator_cat(aux_a), torch.cat(aux_b, -1))
 
 
+@pytest.mark.inductor
 def test_vllm_inductor_pieces_capturing_leaves_the_model_bitwise(plugin_off):
     """Capturing ``hidden + residual`` before a norm that computes the same sum (vLLM's
     ``forward_native`` style) gives the down projection's ``mm`` a second reader in capture
@@ -223,14 +262,15 @@ def test_vllm_inductor_pieces_capturing_leaves_the_model_bitwise(plugin_off):
     assert torch.allclose(packed, torch.cat(raux, -1), rtol=0, atol=1e-5)
 
 
+@pytest.mark.inductor
 def test_vllm_inductor_pieces_keep_returned_clones_distinct(plugin_off, monkeypatch):
     """The plugin on, but no capture rewritten (here: the rewrite fails, so the graph is split
     unchanged): the pieces return the ``residual.clone()`` captures themselves. Inductor's
     ``remove_noop_ops`` and then vLLM's own ``UnsafeCloneEliminationPass`` drop those clones
     (both compare storages before reinplacing); ``ReturnedCopiesPass`` (the joint-graph pre
     pass, through ``VllmBackend.configure_post_pass``) tags them and ``DistinctOutputsPass``
-    (right after vLLM's clone elimination) restores them: captures bitwise the uncompiled
-    model's, at every token count of one compile."""
+    (right after vLLM's clone elimination) restores them: captures the uncompiled model's
+    (within Inductor's rounding), at every token count of one compile."""
     import compile_pass
     from torch._dynamo.utils import counters
 
@@ -250,8 +290,8 @@ def test_vllm_inductor_pieces_keep_returned_clones_distinct(plugin_off, monkeypa
         h, aux = run(x)
         with torch.no_grad():
             rh, raux = ref(x)
-        assert torch.equal(h, rh)
-        assert len(aux) == len(raux) and all(torch.equal(a, b) for a, b in zip(aux, raux))
+        _same(h, rh, exact=False)  # Inductor's silu vs ATen's: an ulp on some CPUs
+        assert len(aux) == len(raux) and all(_same(a, b, exact=False) for a, b in zip(aux, raux))
     assert plugin.stats["rewrite_errors"] > before["rewrite_errors"]
     assert plugin.stats["configs_wired"] > before["configs_wired"]
     assert plugin.stats["distinct_passes"] > before["distinct_passes"]

@@ -39,6 +39,7 @@ def _run(tmp_path, on: bool) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.inductor  # vLLM's CPU platform compiles with Inductor (in the subprocess)
 def test_llm_eagle3_end_to_end_plugin_off_vs_on(tmp_path):
     off = _run(tmp_path, False)
     on = _run(tmp_path, True)
