@@ -147,9 +147,7 @@ def project_registered_(acc: torch.Tensor, a: torch.Tensor, b: Optional[torch.Te
                         signature: str, index: int, num_captures: int, first: bool) -> None:
     """``acc (+)= transform_k(src) @ W_k^T`` with the registered ``draft``'s weights (``src``:
     ``a``, or ``op(a, b)``); ``signature``: what the graph was built for."""
-    from compile_pass.ops import capture_value
-
-    project_term_(_projection_for(draft, signature, num_captures), acc, capture_value(a, b, op), index, first)
+    project_term_(_projection_for(draft, signature, num_captures), acc, a, index, first, other=b, op=op)
 
 
 @project_registered_.register_fake

@@ -15,13 +15,13 @@ mutation is what makes the write survive every place the rewritten graph can go:
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 
 __all__ = ["write_slice_", "binary_into_slice_", "project_into_", "project_binary_into_", "bias_into_",
            "project_normed_into_", "project_scaled_into_", "sum_squares_into_", "rms_scale_", "rms_norm",
-           "project_rows_", "BLOCK_ELEMENTS",
+           "project_rows_", "row_step", "BLOCK_FRACTION",
            "BINARY_OPS", "MUTATED_ARG"]
 
 #: the correctly rounded binary ops ``binary_into_slice_`` computes (aten op names)
@@ -89,7 +89,7 @@ def project_binary_into_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op
     ``binary_into_slice_`` does for a packed buffer)."""
     if op not in BINARY_OPS:
         raise ValueError(f"project_binary_into_: op must be one of {BINARY_OPS}, got {op!r}")
-    project_into_(acc, getattr(torch, op)(a, b), weight, start, first)
+    project_rows_(acc, a, weight, start, first, other=b, op=op)
 
 
 @project_binary_into_.register_fake
@@ -119,24 +119,51 @@ def capture_value(a: torch.Tensor, b: Optional[torch.Tensor], op: str) -> torch.
     return getattr(torch, op)(a, b)
 
 
-#: rows of a capture transformed at a time before their projection (a norm's fp32 temporaries
-#: are this many elements of the capture at most, not the whole ``[T, H]``)
-BLOCK_ELEMENTS = 1 << 20
+#: a capture is formed, transformed and projected this fraction of its rows at a time (at
+#: most ``1/BLOCK_FRACTION`` of them, and at least one row): the per-capture ops' temporaries
+#: (``hidden + residual``, a norm's fp32 upcast, its scaled rows) are a bounded fraction of
+#: one capture at any size, never the whole ``[T, H]``
+BLOCK_FRACTION = 8
+
+
+def row_step(rows: int) -> int:
+    """Rows per block of a capture of ``rows`` rows (``BLOCK_FRACTION``)."""
+    return max(1, -(-rows // BLOCK_FRACTION))
+
+
+def _row_blocks(a: torch.Tensor, b: Optional[torch.Tensor], op: str
+                ) -> Tuple[int, int, Callable[[slice], torch.Tensor]]:
+    """(rows, width, block(span)): the capture ``a`` or ``op(a, b)`` as ``[rows, width]``,
+    formed a row span at a time (``b`` of another shape, a broadcast: formed whole)."""
+    if b is not None and b.shape != a.shape:
+        a, b = capture_value(a, b, op), None
+    h = a.shape[-1]
+    rows_a = a.reshape(-1, h)
+    if b is None:
+        return rows_a.shape[0], h, lambda span: rows_a[span]
+    if op not in BINARY_OPS:
+        raise ValueError(f"the capture's op must be one of {BINARY_OPS}, got {op!r}")
+    rows_b, fn = b.reshape(-1, h), getattr(torch, op)
+    return rows_a.shape[0], h, lambda span: fn(rows_a[span], rows_b[span])
 
 
 def project_rows_(acc: torch.Tensor, src: torch.Tensor, weight: torch.Tensor, start: int, first: bool,
-                  transform: Optional[Callable[[torch.Tensor, slice], torch.Tensor]] = None) -> None:
-    """``acc (+)= transform(src) @ weight[:, start:start+h].T``, ``transform`` applied to row
-    blocks of ``src`` (each at most ``BLOCK_ELEMENTS``; it gets the block and its row slice)
-    and each block projected before the next is made: a row-wise transform (a norm) never
-    holds temporaries of the whole capture. Without a transform, one GEMM."""
-    h = src.shape[-1]
-    rows, out = src.reshape(-1, h), acc.view(-1, acc.shape[-1])
+                  transform: Optional[Callable[[torch.Tensor, slice], torch.Tensor]] = None,
+                  other: Optional[torch.Tensor] = None, op: str = "") -> None:
+    """``acc (+)= transform(capture) @ weight[:, start:start+h].T``, the capture ``src`` (or
+    ``op(src, other)``) formed, transformed (``transform`` gets the block and its row slice)
+    and projected a row block at a time (``row_step``), each block before the next is made:
+    nothing of the whole capture's size is allocated. The eager accumulator and the compiled
+    ops both come here, so they agree bit for bit."""
+    n, h, block_of = _row_blocks(src, other, op)
+    out = acc.view(-1, acc.shape[-1])
     block = weight.narrow(1, start, h).t()
-    step = rows.shape[0] if transform is None else max(1, BLOCK_ELEMENTS // max(1, h))
-    for r in range(0, rows.shape[0], step) if rows.shape[0] else ():
+    step = row_step(n)
+    for r in range(0, n, step):
         span = slice(r, r + step)
-        x = rows[span] if transform is None else transform(rows[span], span)
+        x = block_of(span)
+        if transform is not None:
+            x = transform(x, span)
         if first:
             torch.mm(x, block, out=out[span])
         else:
@@ -159,7 +186,7 @@ def project_normed_into_(acc: torch.Tensor, a: torch.Tensor, b: Optional[torch.T
     own norm (the draft's per-capture ``fc_norm``) applied, then its term (``project_into_``).
     ``eps_tensor``, if given, is the eps (a 0-dim tensor: a traced float input)."""
     epsilon = eps_tensor if eps_tensor is not None else eps
-    project_rows_(acc, capture_value(a, b, op), weight, start, first, lambda x, _: rms_norm(x, norm_weight, epsilon))
+    project_rows_(acc, a, weight, start, first, lambda x, _: rms_norm(x, norm_weight, epsilon), other=b, op=op)
 
 
 @project_normed_into_.register_fake
@@ -176,12 +203,11 @@ def project_scaled_into_(acc: torch.Tensor, a: torch.Tensor, b: Optional[torch.T
     """``acc (+)= (src * norm_weight[start:start+h]) @ weight[:, start:start+h].T``: a capture's
     term under a norm over the whole concat, before that norm's per-token scale
     (``rms_scale_`` applies it once, from ``sum_squares_into_``'s sums)."""
-    src = capture_value(a, b, op)
     if norm_weight is None:
-        project_rows_(acc, src, weight, start, first)
+        project_rows_(acc, a, weight, start, first, other=b, op=op)
         return
-    scale = norm_weight.narrow(0, start, src.shape[-1])
-    project_rows_(acc, src, weight, start, first, lambda x, _: x * scale)
+    scale = norm_weight.narrow(0, start, a.shape[-1])
+    project_rows_(acc, a, weight, start, first, lambda x, _: x * scale, other=b, op=op)
 
 
 @project_scaled_into_.register_fake
@@ -197,15 +223,15 @@ def sum_squares_into_(sumsq: torch.Tensor, a: torch.Tensor, b: Optional[torch.Te
     """``sumsq (+)= sum(src**2, -1, keepdim)`` in fp32 (``sumsq``: fp32 ``[*lead, 1]``): the
     capture's share of a norm over the whole concat, taken when the capture is made (a
     later in-place write into the capture's inputs cannot reach it)."""
-    src = capture_value(a, b, op)
-    rows, sums = src.reshape(-1, src.shape[-1]), sumsq.view(-1, 1)
-    step = max(1, BLOCK_ELEMENTS // max(1, src.shape[-1]))  # the fp32 upcast a block at a time
-    for r in range(0, rows.shape[0], step):
-        square = torch.linalg.vector_norm(rows[r:r + step], 2, dim=-1, keepdim=True, dtype=torch.float32).square_()
+    n, _, block_of = _row_blocks(a, b, op)  # formed and upcast a row block at a time
+    sums, step = sumsq.view(-1, 1), row_step(n)
+    for r in range(0, n, step):
+        span = slice(r, r + step)
+        square = torch.linalg.vector_norm(block_of(span), 2, dim=-1, keepdim=True, dtype=torch.float32).square_()
         if first:
-            sums[r:r + step].copy_(square)
+            sums[span].copy_(square)
         else:
-            sums[r:r + step].add_(square)
+            sums[span].add_(square)
 
 
 @sum_squares_into_.register_fake

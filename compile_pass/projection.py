@@ -160,10 +160,12 @@ def _term_transform(p: DraftProjection, k: int) -> Optional[Callable[[torch.Tens
     return None
 
 
-def project_term_(p: DraftProjection, acc: torch.Tensor, hidden: torch.Tensor, k: int, first: bool) -> None:
+def project_term_(p: DraftProjection, acc: torch.Tensor, hidden: torch.Tensor, k: int, first: bool,
+                  other: Optional[torch.Tensor] = None, op: str = "") -> None:
     """``acc (+)= transform_k(hidden) @ W_k^T`` (``first``: written, ``acc`` may hold
-    anything before), the arithmetic of the compiled ops (``ops.project_rows_``)."""
-    project_rows_(acc, hidden, p.weight, k * p.hidden, first, _term_transform(p, k))
+    anything before; ``other``: the capture is ``op(hidden, other)``, formed a row block at a
+    time), the arithmetic of the compiled ops (``ops.project_rows_``)."""
+    project_rows_(acc, hidden, p.weight, k * p.hidden, first, _term_transform(p, k), other=other, op=op)
 
 
 def accumulate_term_(p: DraftProjection, acc: torch.Tensor, sumsq: Optional[torch.Tensor], hidden: torch.Tensor,
