@@ -15,38 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from compile_pass import ProjectingAccumulator, aux_capture_backend
+from tools.fuzz_combine import EPS, NORMS, splits_for
 
-H, HD, K, CAPTURE, EPS = 64, 48, 3, (1, 3, 5), 1e-6
-
-
-def hf_llama_rms(x, w):  # transformers' LlamaRMSNorm.forward
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    variance = x.pow(2).mean(-1, keepdim=True)
-    x = x * torch.rsqrt(variance + EPS)
-    return w * x.to(dtype)
+H, HD, K, CAPTURE = 64, 48, 3, (1, 3, 5)
 
 
-def vllm_native_rms(x, w):  # vLLM's RMSNorm.forward_native without a residual, the cast at each use
-    return (x.float() * torch.rsqrt(x.float().pow(2).mean(dim=-1, keepdim=True) + EPS)).to(x.dtype) * w
-
-
-SPLITS = {
-    "split(H, dim=-1)": lambda p: p.split(H, dim=-1),
-    "chunk(K, dim=-1)": lambda p: p.chunk(K, dim=-1),
-    "torch.chunk(p, K, 1)": lambda p: torch.chunk(p, K, 1),
-    "tensor_split(K, dim=-1)": lambda p: torch.tensor_split(p, K, dim=-1),
-    "split([H]*K, -1)": lambda p: torch.split(p, [H] * K, dim=-1),
-    "p[..., a:b]": lambda p: [p[..., i * H:(i + 1) * H] for i in range(K)],
-    "p[:, a:b]": lambda p: [p[:, i * H:(i + 1) * H] for i in range(K)],
-    "narrow(-1, a, H)": lambda p: [p.narrow(-1, i * H, H) for i in range(K)],
-    "p[:, -a:-b]": lambda p: [p[:, -(K - i) * H:(-(K - i - 1) * H) or None] for i in range(K)],
-}
-NORMS = {
-    "F.rms_norm": lambda c, w: F.rms_norm(c, (c.shape[-1],), w, EPS),
-    "LlamaRMSNorm": hf_llama_rms,
-    "vllm forward_native": vllm_native_rms,
-}
+SPLITS = splits_for(K, H)  # the fuzzer's spellings (tools/fuzz_combine.py), every one here
 FCS = {
     "nn.Linear": lambda m, x: m.fc(x),
     "F.linear": lambda m, x: F.linear(x, m.fc.weight, m.fc.bias),

@@ -1,0 +1,52 @@
+"""The ``fuse_projection`` fuzzer (``tools/fuzz_combine.py``) on a fixed sample: every case
+right (the target's output bitwise the build without the option, the draft's input within
+the stated tolerance of the eager cat-then-combine, the peak never above the build without
+the option), every hazard (a norm whose intermediate is also read, a LayerNorm) left packed,
+and the generator reaching every spelling. ``python -m tools.fuzz_combine`` runs more seeds
+(docs/projection.md has the totals)."""
+
+import pytest
+
+from tools.fuzz_combine import COMBINES, FCS, NORMS, SPLIT_NAMES, random_spec, run_case, summarize
+
+SAMPLE = range(12)
+
+
+def test_the_generator_reaches_every_spelling_and_hazard():
+    seen = set()
+    for seed in range(400):
+        seen.update(random_spec(seed).spellings())
+    wanted = {f"combine={c}" for c in COMBINES} | {f"fc={f}" for f in FCS} | {f"split={s}" for s in SPLIT_NAMES} \
+        | {f"norm={n}" for n in (*NORMS, "nn.RMSNorm", "LayerNorm (hazard)")} \
+        | {"hazard=norm intermediate returned", "hazard=LayerNorm"}
+    assert wanted <= seen, sorted(wanted - seen)
+    specs = [random_spec(seed) for seed in range(400)]
+    assert {s.dtype for s in specs} == {"float32", "bfloat16"}
+    assert any(s.dynamic for s in specs) and any(s.piecewise for s in specs) and any(not s.bias for s in specs)
+    assert any(s.draft < s.hidden for s in specs) and any(s.draft == s.hidden for s in specs) \
+        and any(s.draft > s.hidden for s in specs)
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_fixed_sample(inner):
+    results = [run_case(random_spec(seed), inner) for seed in SAMPLE]
+    text, clean = summarize(results, inner)
+    assert clean, text
+    assert sum(r.fused for r in results) >= len(results) // 2, text  # mostly fused, not mostly refused
+
+
+def test_hazards_stay_packed():
+    specs = [s for s in map(random_spec, range(400)) if s.hazard is not None]
+    hazards = [next(s for s in specs if s.hazard == kind and s.combine == combine)  # one of each
+               for kind in ("norm intermediate returned", "LayerNorm") for combine in ("norm_before_fc", "fc_norms")]
+    for spec in hazards:
+        r = run_case(spec, "aot_eager")
+        assert not r.crashed and not r.wrong and not r.fused, (spec.describe(), r.crashed or r.wrong)
+
+
+@pytest.mark.inductor
+@pytest.mark.slow
+def test_fixed_sample_inductor():
+    results = [run_case(random_spec(seed), "inductor") for seed in range(4)]
+    text, clean = summarize(results, "inductor")
+    assert clean, text
