@@ -54,8 +54,13 @@ test-fast: $(VENV)/.installed-test,hf
 # it): on an AVX-512 machine make test runs the avx512 paths, this the avx2 ones. A bitwise
 # claim that holds on one ISA only shows here on any x86 machine.
 ISA ?= avx2
+# Its own Inductor cache, always: torch 2.13's FX graph cache does not key on the ISA, and an
+# avx2 process handed graphs compiled under avx512 (AMX GEMM kernels) computes garbage
+# (docs/overview.md "CPU vector ISAs").
 test-isa: $(VENV)/.installed-test,hf
-	ATEN_CPU_CAPABILITY=$(ISA) $(PYTHON) -m pytest -q -p no:cacheprovider -m inductor
+	@cache=$$(mktemp -d /tmp/compile_pass-isa-inductor.XXXXXX); \
+	ATEN_CPU_CAPABILITY=$(ISA) TORCHINDUCTOR_CACHE_DIR="$$cache" $(PYTHON) -m pytest -q -p no:cacheprovider \
+	  -m inductor; status=$$?; rm -rf "$$cache"; exit $$status
 
 # The torch releases serving engines pin (SGLang 0.5.23: 2.14.1; vLLM 0.33.0 and 0.34.0 pin
 # 2.14.0, the same minor), the newest release (2.15.0) and the GPU machine's (2.11.0), each in
@@ -128,7 +133,7 @@ vllm-%: $(COMPAT_DIR)/venv-vllm%/.installed
 	@$(call editable_into,$(call vllm_venv,$*))
 	@echo "== vllm $*: tests/test_vllm*.py"
 	@cache=$$(mktemp -d /tmp/compile_pass-vllm-inductor.XXXXXX); \
-	TORCHINDUCTOR_CACHE_DIR="$$cache" TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0 \
+	TORCHINDUCTOR_CACHE_DIR="$$cache" TORCHINDUCTOR_FX_GRAPH_CACHE=0 \
 	  VLLM_DISABLE_COMPILE_CACHE=1 "$(call vllm_venv,$*)/bin/python" -m pytest -q -p no:cacheprovider \
 	  $(VLLM_PYTEST_ARGS_$*) tests/test_vllm*.py; status=$$?; rm -rf "$$cache"; exit $$status
 
