@@ -64,10 +64,8 @@ test-isa: $(VENV)/.installed-test,hf
 
 # The torch releases serving engines pin (SGLang 0.5.23: 2.14.1; vLLM 0.33.0 and 0.34.0 pin
 # 2.14.0, the same minor), the newest release (2.15.0) and the GPU machine's (2.11.0), each in
-# its own venv cached outside the clone (COMPAT_DIR; CUDA builds, about 5 GB each, run on the
-# CPU here; the first run installs them, later runs reuse them). This machine's pip caps torch
-# at 2.14.1 (a constraint file for the wheels on its disk): PIP_CONSTRAINT=/dev/null lifts it
-# for these venvs only. On each: a named subset of the suite (the packer, the backend with
+# its own venv cached outside the clone (COMPAT_DIR; CUDA builds run on the CPU here, made by
+# uv, which reads no pip constraint file, the first time and reused after). On each: a named subset of the suite (the packer, the backend with
 # each inner running the pass, piecewise and pack_outputs, the diff tool, twins and lifting
 # (the pass's internals on traced graphs, tests/test_capture_pass.py, stay in make test), an
 # Inductor sample marked ``compat``: the SGLang-style decoder reaching the packed bytes; the
@@ -109,7 +107,8 @@ compat: | $(UV)
 # pins this registry does not serve replaced (VLLM_OVERRIDES_X): vllm 0.34.0 pins
 # flashinfer-python==0.7.3, the registry serves 0.7.2.post1 and 0.7.4, so a plain
 # `pip install vllm==0.34.0` fails here. Both pin torch 2.14.0 (its CUDA wheel, run on the CPU;
-# about 9.5 GB and 5-7 min per venv). Then the checkout --no-deps -e and tests/test_vllm*.py.
+# about 9.5 GB per venv, hardlinked from the uv cache: 69 s for the first from an empty cache).
+# Then the checkout --no-deps -e and tests/test_vllm*.py, in a fresh Inductor cache.
 VLLM_VERSIONS         ?= 0.33.0 0.34.0
 VLLM_OVERRIDES_0.34.0 ?= flashinfer-python==0.7.4
 # the older minor without its Inductor-piece tests (vLLM's split, PiecewiseBackend and pass
@@ -159,9 +158,8 @@ vllm-cpu:
 
 # sglang: BEGIN (owned by the SGLang / SpecForge integration; tests/test_sglang*.py)
 # sglang==0.5.23 + specforge==0.2.0 --no-deps (their CUDA kernels do not install here) and only
-# what importing the used modules needs, in $(COMPAT_DIR)/venv-sglang0.5.23, made once. torch
-# 2.14.1 (SGLang's pin) is read from make compat's venv through a .pth where that exists (it
-# runs first in CI; nothing is installed into it), else installed into this venv.
+# what importing the used modules needs, in $(COMPAT_DIR)/venv-sglang0.5.23, made once by uv
+# with torch 2.14.1 (SGLang's pin; hardlinked from the uv cache make compat filled).
 SGLANG_VERSION ?= 0.5.23
 SGLANG_VENV    ?= $(COMPAT_DIR)/venv-sglang$(SGLANG_VERSION)
 SGLANG_DEPS    ?= orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 pillow==13.0.0 \
@@ -170,8 +168,8 @@ SGLANG_DEPS    ?= orjson==3.13.0 psutil==7.2.2 pybase64==1.5.1 requests==2.34.2 
   sentencepiece==0.2.3 compressed-tensors==0.20.1 gguf==0.19.0 openai==3.60.0 \
   partial-json-parser==0.2.1.1.post7 uvicorn==0.55.0 fastapi==0.165.0 einops==0.8.2 "pytest>=7"
 # $(call sglang_venv,VENV,TORCH_VERSION,SGLANG_VERSION,DEPS): VENV made once (sglang and
-# specforge 0.2.0 --no-deps, then DEPS; torch from make compat's venv-torchTORCH_VERSION
-# through a .pth where that exists, else installed), the checkout installed into it editable.
+# specforge 0.2.0 --no-deps, then torch==TORCH_VERSION and DEPS), the checkout installed into
+# it editable.
 define sglang_venv
 @set -e; venv="$(1)"; \
 if [ ! -f "$$venv/.installed" ]; then \
