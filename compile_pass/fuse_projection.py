@@ -231,6 +231,9 @@ def fc_reading(cat: fx.Node, widths: Sequence[int]) -> Tuple[Optional[FcReader],
         return None, "the fc's bias is not [H_draft]"
     if not value.dtype.is_floating_point:
         return None, f"the fc's weight is {value.dtype} (a quantized fc): packed as without the option"
+    if value.shape[0] >= width:
+        return None, (f"the draft's fc is no narrower than the concat ({width} -> {value.shape[0]}): its "
+                      f"accumulator would be as large as the packed buffer, projecting saves nothing")
     return FcReader(user, weight, bias, flat, transpose if isinstance(transpose, fx.Node) else None,
                     product=product, **found), ""
 

@@ -50,3 +50,14 @@ def test_fixed_sample_inductor():
     results = [run_case(random_spec(seed), "inductor") for seed in range(4)]
     text, clean = summarize(results, "inductor")
     assert clean, text
+
+
+def test_an_fc_no_narrower_than_the_concat_is_packed_with_the_reason():
+    """Found by the fuzzer (seed 72: K=2, H=32, H_draft=64, fc_norms): fused, the accumulator is
+    as large as the packed buffer and the per-capture blocks put the peak above the build
+    without the option. Now refused, the reason saying so, the peak no higher."""
+    spec = random_spec(72)
+    assert spec.draft == spec.k * spec.hidden
+    r = run_case(spec, "eager")
+    assert not r.crashed and not r.wrong and not r.above_list, r.crashed or r.wrong
+    assert not r.fused and "no narrower than the concat" in r.reason, r.reason
