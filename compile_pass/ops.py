@@ -153,12 +153,13 @@ def project_rows_(acc: torch.Tensor, src: torch.Tensor, weight: torch.Tensor, st
     """``acc (+)= transform(capture) @ weight[:, start:start+h].T``, the capture ``src`` (or
     ``op(src, other)``) formed, transformed (``transform`` gets the block and its row slice)
     and projected a row block at a time (``row_step``), each block before the next is made:
-    nothing of the whole capture's size is allocated. The eager accumulator and the compiled
+    nothing of the whole capture's size is allocated. A capture that is already a tensor and
+    needs no transform makes no temporary: one GEMM. The eager accumulator and the compiled
     ops both come here, so they agree bit for bit."""
     n, h, block_of = _row_blocks(src, other, op)
     out = acc.view(-1, acc.shape[-1])
     block = weight.narrow(1, start, h).t()
-    step = row_step(n)
+    step = max(1, n) if transform is None and other is None else row_step(n)
     for r in range(0, n, step):
         span = slice(r, r + step)
         x = block_of(span)
