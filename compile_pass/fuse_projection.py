@@ -44,7 +44,7 @@ import torch.fx as fx
 import compile_pass.ops  # noqa: F401  (registers the projection ops)
 from compile_pass.dataflow import is_cat, op_name, tensor_value
 from compile_pass.draft_registry import DraftSignature, finish_registered_, project_registered_
-from compile_pass.norm_match import RMSNormMatch, chunk_readers, match_rms_norm
+from compile_pass.norm_match import RMSNormMatch, chunk_readers, match_rms_norm, opaque_reader
 
 __all__ = ["FcReader", "fc_reading", "fuse_into_accumulator", "project_into_registered", "ACCUMULATOR_NAME"]
 
@@ -129,10 +129,18 @@ def _is_transpose_of(node: object) -> Optional[fx.Node]:
 _FC_NAMES = ("linear", "mm", "matmul", "addmm")
 
 
+def _is_flatten(node: fx.Node) -> bool:
+    """Whether ``node`` views its input with the leading dims merged, the last one kept."""
+    if node.op != "call_function" or node.target not in _FLATTENS:
+        return False
+    value, source = tensor_value(node), tensor_value(node.args[0])
+    return value is not None and source is not None and value.shape[-1:] == source.shape[-1:]
+
+
 def _is_fc_input(node: fx.Node) -> bool:
     """Whether ``node`` is a flattening view or a linear / mm / matmul / addmm (what reads
     the combine's input)."""
-    return node.op == "call_function" and (node.target in _FLATTENS or op_name(node) in _FC_NAMES)
+    return _is_flatten(node) or (node.op == "call_function" and op_name(node) in _FC_NAMES)
 
 
 def _bias_add(product: fx.Node, out_features: int) -> Optional[Tuple[fx.Node, fx.Node]]:
@@ -152,6 +160,9 @@ def _norms_before_fc(cat: fx.Node, widths: Sequence[int]) -> Tuple[Optional[fx.N
     """The node ``fc`` reads when a norm sits between it and ``cat`` (the norm's output, or
     the concat of the per-capture norms) and the FcReader fields saying which; or
     (None, {}, why not)."""
+    opaque = opaque_reader(cat)
+    if opaque:
+        return None, {}, opaque
     norm, why_whole = match_rms_norm(cat)
     if norm is not None:
         weight = tensor_value(norm.weight) if norm.weight is not None else None
@@ -164,6 +175,9 @@ def _norms_before_fc(cat: fx.Node, widths: Sequence[int]) -> Tuple[Optional[fx.N
                           f"(a norm over it: {why_whole}; one per capture: {why_chunks})")
     matches = []
     for chunk in chunks:
+        opaque = opaque_reader(chunk)
+        if opaque:
+            return None, {}, f"the chunk {chunk.name} is not normed: {opaque}"
         match, why = match_rms_norm(chunk)
         if match is None:
             return None, {}, f"the chunk {chunk.name} is not normed: {why}"
@@ -195,7 +209,7 @@ def fc_reading(cat: fx.Node, widths: Sequence[int]) -> Tuple[Optional[FcReader],
     if user is None:
         return None, f"the concat has {len(cat.users)} readers, not one fc"
     flat = None
-    if user.op == "call_function" and user.target in _FLATTENS:
+    if _is_flatten(user):
         flat, user = user, _only_user(user)
         if user is None:
             return None, "the flattened concat has more than one reader"

@@ -32,10 +32,11 @@ import torch.fx as fx
 
 from compile_pass.dataflow import op_name, tensor_value
 
-__all__ = ["RMSNormMatch", "match_rms_norm", "chunk_readers"]
+__all__ = ["RMSNormMatch", "match_rms_norm", "chunk_readers", "opaque_reader"]
 
 _CASTS = {"to", "float", "half", "bfloat16", "type", "type_as", "_to_copy", "convert_element_type"}
 _ONE_CALL = {"rms_norm", "_fused_rms_norm"}
+_RESHAPES = {"view", "reshape", "unflatten", "_unsafe_view"}
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,29 @@ def match_rms_norm(x: fx.Node) -> Tuple[Optional[RMSNormMatch], str]:
     return RMSNormMatch(x, output, weight, eps if isinstance(eps, fx.Node) else float(eps), tuple(interior)), ""
 
 
+def opaque_reader(x: fx.Node) -> str:
+    """Why ``x`` cannot be matched if a reader of it is an opaque op (a custom op such as an
+    engine's fused RMSNorm kernel, called directly or through ``auto_functionalized``): its
+    arithmetic is not in the graph, so it is not looked into; ``""`` if none is."""
+    for reader in x.users:
+        target = reader.target
+        if reader.op != "call_function":
+            continue
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            inner = reader.args[0] if reader.args else None
+            name = inner._schema.name if isinstance(inner, torch._ops.OpOverload) else target.name()
+        elif isinstance(target, torch._ops.OpOverload):
+            name = target._schema.name
+        elif isinstance(target, torch._ops.OpOverloadPacket):
+            name = target._qualified_op_name
+        else:
+            continue
+        if name.split("::")[0] not in ("aten", "prims"):
+            return (f"{reader.name} reads {x.name} through {name}, an opaque op (a fused norm kernel's "
+                    f"arithmetic is not in the graph): not matched as a norm")
+    return ""
+
+
 def _is_scalar(eps: Any) -> bool:
     """A number, or a node whose value is one (Dynamo traces a float attribute as a graph
     input read by ``item()`` when floats are not specialized; AOT then adds a 0-dim tensor)."""
@@ -208,8 +232,9 @@ def _reads(node: fx.Node, x: fx.Node, limit: int = 64) -> bool:
 
 def chunk_readers(x: fx.Node, widths: Sequence[int]) -> Tuple[Optional[Tuple[fx.Node, ...]], Tuple[fx.Node, ...], str]:
     """The nodes reading ``x`` in consecutive last-dim chunks of ``widths`` (one per width,
-    in order) and the split nodes between (a ``split`` and its ``getitem``s, or one slice
-    each); or (None, (), why not). Every reader of ``x`` must be one of them."""
+    in order) and the split nodes between (a ``split`` and its ``getitem``s, one slice
+    each, or a ``[..., K, H]`` view cut by ``unbind`` / ``select``); or (None, (), why not).
+    Every reader of ``x`` must be one of them."""
     value = tensor_value(x)
     ndim = value.dim() if value is not None else 0
     readers = list(x.users)
@@ -226,6 +251,8 @@ def chunk_readers(x: fx.Node, widths: Sequence[int]) -> Tuple[Optional[Tuple[fx.
         if any(p is None or p.shape[-1] != w for p, w in zip(pieces, widths)):
             return None, (), f"{split.name}'s pieces are not the captures' widths {list(widths)}"
         return tuple(items), (split,), ""
+    if readers and all(op_name(r) in _RESHAPES for r in readers):
+        return _unbound_rows(x, readers, widths)
     if len(readers) == len(widths):
         bounds = {}
         for r in readers:
@@ -238,6 +265,57 @@ def chunk_readers(x: fx.Node, widths: Sequence[int]) -> Tuple[Optional[Tuple[fx.
         return tuple(bounds[s][0] for s in starts), (), ""
     names = ", ".join(f"{r.name} ({op_name(r) or r.op})" for r in readers)
     return None, (), f"{x.name} is read by {names}, not split into the captures' widths {list(widths)}"
+
+
+def _unbound_rows(x: fx.Node, reshapes: Sequence[fx.Node], widths: Sequence[int]) -> Tuple[Optional[Tuple[fx.Node, ...]], Tuple[fx.Node, ...], str]:
+    """``x`` viewed as ``[*lead, K, H]`` (by each of ``reshapes``: ``reshape`` / ``view`` /
+    ``unflatten``) and cut along that ``K`` dim into its captures: one ``unbind`` read through
+    ``getitem``s, or one ``select`` / integer index per capture; the chunk_readers answer."""
+    k, value = len(widths), tensor_value(x)
+    for reshape in reshapes:
+        viewed = tensor_value(reshape)
+        if value is None or viewed is None or len(set(widths)) != 1 or viewed.dim() != value.dim() + 1 \
+                or tuple(viewed.shape[-2:]) != (k, widths[0]):
+            return None, (), (f"{reshape.name} ({op_name(reshape)}) does not view {x.name} as [..., {k}, "
+                              f"{widths[0] if len(set(widths)) == 1 else '?'}] (one row per capture)")
+    ndim = value.dim() + 1
+    readers = [r for reshape in reshapes for r in reshape.users]
+    if len(reshapes) == 1 and len(readers) == 1 and op_name(readers[0]) == "unbind":
+        unbind = readers[0]
+        if _arg(unbind, 1, "dim", 0) not in (-2, ndim - 2):
+            return None, (), f"{unbind.name} (unbind) cuts dim {_arg(unbind, 1, 'dim', 0)}, not the captures' ({ndim - 2} or -2)"
+        items = sorted(unbind.users, key=lambda n: n.args[1] if op_name(n) == "getitem" else -1)
+        if any(op_name(n) != "getitem" for n in items) or [n.args[1] for n in items] != list(range(k)):
+            return None, (), f"{unbind.name}'s rows are not read one each"
+        return tuple(items), (*reshapes, unbind), ""
+    rows = {}
+    for r in readers:
+        row = _row_index(r, ndim)
+        if row is None:
+            return None, (), f"{r.name} ({op_name(r) or r.op}) is not one capture's row of {r.args[0].name}"
+        rows[row % k] = r
+    if sorted(rows) != list(range(k)) or len(readers) != k:
+        return None, (), f"the [..., {k}, {widths[0]}] view's {k} rows are not read one each"
+    return tuple(rows[i] for i in range(k)), tuple(reshapes), ""
+
+
+def _row_index(node: fx.Node, ndim: int) -> Optional[int]:
+    """``i`` if ``node`` takes row ``i`` of dim -2 of its ``ndim``-dim input (``select(-2, i)``
+    or indexing ``[..., i, :]`` / ``[:, i]``), else None."""
+    name = op_name(node)
+    if name == "select":
+        dim, index = _arg(node, 1, "dim"), _arg(node, 2, "index")
+        return index if dim in (-2, ndim - 2) and isinstance(index, int) else None
+    if name == "getitem" and isinstance(node.args[1], tuple):
+        whole = slice(None, None, None)
+        parts = [p for p in node.args[1]]
+        if parts and parts[-1] == whole:
+            parts = parts[:-1]
+        if not parts or not isinstance(parts[-1], int) or isinstance(parts[-1], bool):
+            return None
+        lead = parts[:-1]
+        return parts[-1] if lead == [whole] * (ndim - 2) or lead == [Ellipsis] else None
+    return None
 
 
 def _last_dim_start(node: fx.Node, ndim: int, width: Any = None) -> Optional[int]:

@@ -106,17 +106,28 @@ def test_every_spelling_is_fused_bitwise_to_the_eager_accumulator(inner, combine
 
 
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
-def test_an_unbind_of_the_reshaped_concat_is_packed_and_the_reason_names_the_node(inner):
-    model = Target("fc_norms", "split(H, dim=-1)").eval()
-    SPLITS["unbind"] = lambda p: p.view(p.shape[0], K, H).unbind(1)
+@pytest.mark.parametrize("combine", ["fc_norms", "norm_before_fc"])
+@pytest.mark.parametrize("kernel", ["cp_fuzz_combine::fused_rms_norm", "cp_fuzz_combine::rms_norm_out"])
+def test_an_engines_fused_norm_kernel_is_packed_and_the_reason_names_the_op(inner, combine, kernel):
+    """A fused RMSNorm custom op (functional, or writing an ``out=`` tensor as vLLM's
+    ``_C.rms_norm``) has no arithmetic in the graph: refused, its name in the reason."""
+    model = Target(combine, "split(H, dim=-1)").eval()
+    op = getattr(torch.ops.cp_fuzz_combine, kernel.split("::")[1])
+    norm = (lambda c, w: op(c, w, EPS)) if kernel.endswith("fused_rms_norm") else None
+
+    def out_norm(c, w):
+        out = torch.empty_like(c)
+        op(out, c, w, EPS)
+        return out
+    NORMS["kernel"] = norm or out_norm
     try:
-        model.split = "unbind"
+        model.norm = "kernel"
         x = torch.randn(64, H)
         with torch.no_grad():
             ref_hidden, ref_draft = model(x)
         (hidden, draft), group = _compiled(model, inner, True, x)
     finally:
-        del SPLITS["unbind"]
+        del NORMS["kernel"]
     assert not group.fused
-    assert "unbind" in group.projection or "view" in group.projection, group.projection
+    assert kernel in group.projection and "opaque" in group.projection, group.projection
     assert torch.equal(hidden, ref_hidden) and torch.equal(draft, ref_draft)

@@ -1,13 +1,15 @@
 """The ``fuse_projection`` fuzzer (``tools/fuzz_combine.py``) on a fixed sample: every case
 right (the target's output bitwise the build without the option, the draft's input within
 the stated tolerance of the eager cat-then-combine, the peak never above the build without
-the option), every hazard (a norm whose intermediate is also read, a LayerNorm) left packed,
+the option), every hazard (a norm whose intermediate is also read, a LayerNorm, a fused norm kernel) left packed,
 and the generator reaching every spelling. ``python -m tools.fuzz_combine`` runs more seeds
 (docs/projection.md has the totals)."""
 
 import pytest
 
-from tools.fuzz_combine import COMBINES, FCS, NORMS, SPLIT_NAMES, random_spec, run_case, summarize
+from tools.fuzz_combine import COMBINES, FCS, HAZARDS, NORMS, SPLIT_NAMES, random_spec, run_case, summarize
+
+OPAQUE_NORMS = ("LayerNorm", "fused norm op", "fused norm op (out=)")
 
 SAMPLE = range(12)
 
@@ -17,8 +19,8 @@ def test_the_generator_reaches_every_spelling_and_hazard():
     for seed in range(400):
         seen.update(random_spec(seed).spellings())
     wanted = {f"combine={c}" for c in COMBINES} | {f"fc={f}" for f in FCS} | {f"split={s}" for s in SPLIT_NAMES} \
-        | {f"norm={n}" for n in (*NORMS, "nn.RMSNorm", "LayerNorm (hazard)")} \
-        | {"hazard=norm intermediate returned", "hazard=LayerNorm"}
+        | {f"norm={n}" for n in (*NORMS, "nn.RMSNorm", *(f"{h} (hazard)" for h in OPAQUE_NORMS))} \
+        | {f"hazard={h}" for h in HAZARDS if h} | {"graph=pieces", "graph=one", "T=dynamic", "T=static"}
     assert wanted <= seen, sorted(wanted - seen)
     specs = [random_spec(seed) for seed in range(400)]
     assert {s.dtype for s in specs} == {"float32", "bfloat16"}
@@ -38,7 +40,7 @@ def test_fixed_sample(inner):
 def test_hazards_stay_packed():
     specs = [s for s in map(random_spec, range(400)) if s.hazard is not None]
     hazards = [next(s for s in specs if s.hazard == kind and s.combine == combine)  # one of each
-               for kind in ("norm intermediate returned", "LayerNorm") for combine in ("norm_before_fc", "fc_norms")]
+               for kind in HAZARDS if kind for combine in ("norm_before_fc", "fc_norms")]
     for spec in hazards:
         r = run_case(spec, "aot_eager")
         assert not r.crashed and not r.wrong and not r.fused, (spec.describe(), r.crashed or r.wrong)

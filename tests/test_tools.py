@@ -89,6 +89,22 @@ def test_fuzz_batch_totals():
     assert largest["own_kernel_rounding"] == 2.4e-07
 
 
+def test_fuzz_combine_batch_totals():
+    out = ("fuzz_combine seeds 0..1\n"
+           "  eager     runs=2 fused=1 refused=1 wrong=0 crashed=0 above_list=0 hazards_fused=0 "
+           "max_rel_error_fp32=0 max_rel_error_bf16=0.00939\n"
+           "    split=chunk(K, dim=-1): fused 1, refused 0\n"
+           "    refused (1): the chunk c is not normed\n")
+    lines = fuzz_runs.combine_totals([out, out.replace("0.00939", "0.002").replace(" fused=1 ", " fused=2 ")])
+    assert lines[0] == ("TOTAL eager: runs=4 fused=3 refused=2 wrong=0 crashed=0 above_list=0 hazards_fused=0 "
+                        "max_rel_error_fp32=0 max_rel_error_bf16=0.00939")
+    assert "TOTAL eager   split=chunk(K, dim=-1): fused 2, refused 0" in lines
+    assert "TOTAL eager   refused (2): the chunk c is not normed" in lines
+    assert not any("FAIL" in line for line in lines)
+    assert fuzz_runs.combine_totals([out + "    FAIL seed=3 ...: hazard fused\n"])[-1] \
+        == "TOTAL FAIL eager: FAIL seed=3 ...: hazard fused"
+
+
 def _projection_row(combine, k, execution, dtype="bfloat16", **overheads):
     names = ("list", "packer", "projected") if execution == "module" else ("list", "pass", "fused", "projected")
     row = {"combine": combine, "K": k, "dtype": dtype, "execution": execution}

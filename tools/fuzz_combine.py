@@ -11,7 +11,8 @@ concat then ``fc``, one RMSNorm per capture then ``fc``, DFlash's ``fc`` then a 
 spelling (the split, the norm, the ``fc``: ``SPLITS``, ``NORMS``, ``FCS``), bias or not,
 fp32 or bf16, static or dynamic token count, one graph or pieces split at a custom op, and
 sometimes a hazard the pass must leave packed: a norm whose intermediate is also returned,
-or a LayerNorm instead of an RMSNorm.
+a LayerNorm instead of an RMSNorm, or an engine's fused RMSNorm kernel (an opaque custom op,
+functional or writing an ``out=`` tensor).
 
 Oracle, per case and inner, against the same inner compiled without the option:
 - the target's own output bitwise equal (the option only moves the draft's input);
@@ -72,6 +73,8 @@ def splits_for(k: int, h: int) -> Dict[str, Callable[[torch.Tensor], Sequence[to
         "p[:, a:b]": lambda p: [p[:, i * h:(i + 1) * h] for i in range(k)],
         "narrow(-1, a, H)": lambda p: [p.narrow(-1, i * h, h) for i in range(k)],
         "p[..., -a:-b]": lambda p: [p[..., -(k - i) * h:(-(k - i - 1) * h) or None] for i in range(k)],
+        "unflatten(-1, (K, H)).unbind(-2)": lambda p: p.unflatten(-1, (k, h)).unbind(-2),
+        "view(-1, K, H)[:, i]": lambda p: [p.view(-1, k, h)[:, i] for i in range(k)],
     }
 
 
@@ -83,7 +86,7 @@ NORMS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 }
 FCS = ("nn.Linear", "F.linear", "x @ W.T (+ b)", "addmm / mm")
 COMBINES = ("plain", "norm_before_fc", "fc_norms", "dflash")
-HAZARDS = (None, "norm intermediate returned", "LayerNorm")
+HAZARDS = (None, "norm intermediate returned", "LayerNorm", "fused norm op", "fused norm op (out=)")
 
 
 @torch.library.custom_op("cp_fuzz_combine::barrier", mutates_args=())
@@ -95,6 +98,28 @@ def barrier(h: torch.Tensor) -> torch.Tensor:
 @barrier.register_fake
 def _(h: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(h)
+
+
+@torch.library.custom_op("cp_fuzz_combine::fused_rms_norm", mutates_args=())
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """An engine's fused RMSNorm kernel as an opaque functional op (SGLang's ``rmsnorm``)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+@fused_rms_norm.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("cp_fuzz_combine::rms_norm_out", mutates_args=("out",))
+def rms_norm_out(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """An engine's fused RMSNorm kernel writing a given output (vLLM's ``_C.rms_norm``)."""
+    out.copy_(F.rms_norm(x, (x.shape[-1],), weight, eps))
+
+
+@rms_norm_out.register_fake
+def _(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -126,9 +151,12 @@ class CombineSpec:
         if self.combine == "fc_norms":
             parts.append(f"split={self.split}")
         if self.combine != "plain":
-            parts.append(f"norm={'LayerNorm (hazard)' if self.hazard == 'LayerNorm' else self.norm}")
+            opaque = self.hazard in ("LayerNorm", "fused norm op", "fused norm op (out=)")
+            parts.append(f"norm={f'{self.hazard} (hazard)' if opaque else self.norm}")
         if self.hazard is not None:
             parts.append(f"hazard={self.hazard}")
+        parts += [f"graph={'pieces' if self.piecewise else 'one'}", f"T={'dynamic' if self.dynamic else 'static'}",
+                  f"dtype={self.dtype}", f"bias={self.bias}"]
         return tuple(parts)
 
     def spelling(self) -> str:
@@ -184,6 +212,12 @@ class CombineDecoder(nn.Module):
     def _norm(self, x: torch.Tensor, w: torch.Tensor, whole: bool) -> torch.Tensor:
         if self.spec.hazard == "LayerNorm":
             return F.layer_norm(x, (x.shape[-1],), w, None, EPS)
+        if self.spec.hazard == "fused norm op":
+            return fused_rms_norm(x, w, EPS)
+        if self.spec.hazard == "fused norm op (out=)":
+            out = torch.empty_like(x)
+            rms_norm_out(out, x, w, EPS)
+            return out
         if self.spec.norm == "nn.RMSNorm" and whole:
             return self.whole(x)
         return NORMS[self.spec.norm](x, w)

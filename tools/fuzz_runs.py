@@ -4,9 +4,11 @@
         --out docs/results/fuzz_inductor_300.txt
     python -m tools.fuzz_runs --seeds 0-1000 --batch 100 --inners eager,aot_eager --jobs 2 \\
         --out docs/results/fuzz_eager_aot_eager_1000.txt
+    python -m tools.fuzz_runs --fuzzer fuzz_combine --seeds 0-1000 --batch 100 --inners eager,aot_eager \\
+        --out docs/results/fuzz_combine_eager_aot_eager_1000.txt
 
-Each batch is ``python -m tools.fuzz --cases B --start-seed S --inners ...`` in a process of
-its own (``--jobs`` at a time); the file starts with the totals over every batch (the
+Each batch is ``python -m tools.fuzz --cases B --start-seed S --inners ...`` (or
+``tools.fuzz_combine``, ``--fuzzer``) in a process of its own (``--jobs`` at a time); the file starts with the totals over every batch (the
 counters of each inner's summary line summed, the cases per knob) and then holds each batch's
 summary under its command, the commit and the time it started. Exit status 1 if any batch
 reported a mismatch or a compile failure.
@@ -44,13 +46,13 @@ def _commit() -> str:
         return "?"
 
 
-def run_batch(start: int, cases: int, inners: str) -> Tuple[str, str, float, int]:
-    """(command, stdout, seconds, return code) of one batch."""
-    cmd = [sys.executable, "-m", "tools.fuzz", "--cases", str(cases), "--start-seed", str(start),
+def run_batch(start: int, cases: int, inners: str, fuzzer: str = "fuzz") -> Tuple[str, str, float, int]:
+    """(command, stdout, seconds, return code) of one batch of ``tools.<fuzzer>``."""
+    cmd = [sys.executable, "-m", f"tools.{fuzzer}", "--cases", str(cases), "--start-seed", str(start),
            "--inners", inners]
     began = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True)
-    shown = "python -m tools.fuzz " + " ".join(cmd[3:])
+    shown = f"python -m tools.{fuzzer} " + " ".join(cmd[3:])
     return shown, r.stdout + (r.stderr[-2000:] if r.returncode not in (0, 1) else ""), \
         time.time() - began, r.returncode
 
@@ -91,6 +93,49 @@ def totals(outputs: Sequence[str]) -> Tuple[Dict[str, Counter], Counter]:
     return per_inner, knobs
 
 
+_COMBINE_INNER = re.compile(r"^\s+(eager|aot_eager|inductor)\s+runs=")
+_COMBINE_INT = re.compile(r"(\w+)=(\d+)(?=\s|$)")
+_COMBINE_MAX = re.compile(r"(max_rel_error_\w+)=([-\d.e+]+)")
+_COMBINE_COVERAGE = re.compile(r"^    (\w+=.+): fused (\d+), refused (\d+)$")
+_COMBINE_REFUSED = re.compile(r"^    refused \((\d+)\): (.+)$")
+
+
+def combine_totals(outputs: Sequence[str]) -> List[str]:
+    """``tools.fuzz_combine`` batches summed: per inner, the counters, the largest errors,
+    the fused / refused count per spelling and the refusals by reason; and every FAIL line."""
+    counts: Dict[str, Counter] = {}
+    largest: Dict[str, Dict[str, float]] = {}
+    coverage: Dict[str, Dict[str, Counter]] = {}
+    refused: Dict[str, Counter] = {}
+    fails: List[str] = []
+    for out in outputs:
+        inner = None
+        for line in out.splitlines():
+            match = _COMBINE_INNER.match(line)
+            if match:
+                inner = match.group(1)
+                counts.setdefault(inner, Counter()).update({k: int(v) for k, v in _COMBINE_INT.findall(line)
+                                                            if not k.startswith("max_")})
+                for k, v in _COMBINE_MAX.findall(line):
+                    largest.setdefault(inner, {})[k] = max(largest.get(inner, {}).get(k, 0.0), float(v))
+            elif inner and (match := _COMBINE_COVERAGE.match(line)):
+                coverage.setdefault(inner, {}).setdefault(match.group(1), Counter()).update(
+                    fused=int(match.group(2)), refused=int(match.group(3)))
+            elif inner and (match := _COMBINE_REFUSED.match(line)):
+                refused.setdefault(inner, Counter())[match.group(2)] += int(match.group(1))
+            elif line.strip().startswith("FAIL"):
+                fails.append(f"{inner}: {line.strip()}")
+    lines = []
+    for inner, c in counts.items():
+        lines.append(f"TOTAL {inner}: " + " ".join(f"{k}={v}" for k, v in c.items())
+                     + "".join(f" {k}={v:.3g}" for k, v in largest.get(inner, {}).items()))
+        for spelling, n in sorted(coverage.get(inner, {}).items()):
+            lines.append(f"TOTAL {inner}   {spelling}: fused {n['fused']}, refused {n['refused']}")
+        for reason, n in refused.get(inner, Counter()).most_common():
+            lines.append(f"TOTAL {inner}   refused ({n}): {reason}")
+    return lines + [f"TOTAL FAIL {f}" for f in fails]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", required=True, help="first-last (last excluded), e.g. 0-300")
@@ -98,18 +143,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--inners", default="eager,aot_eager")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--fuzzer", default="fuzz", choices=("fuzz", "fuzz_combine"),
+                    help="tools.fuzz (the capture pass) or tools.fuzz_combine (fuse_projection)")
     args = ap.parse_args(argv)
     first, last = (int(x) for x in args.seeds.split("-"))
     starts = list(range(first, last, args.batch))
     commit = _commit()
     stamps = {s: datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") for s in starts}
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = list(pool.map(lambda s: run_batch(s, min(args.batch, last - s), args.inners), starts))
-    per_inner, knobs = totals([out for _, out, _, _ in results])
+        results = list(pool.map(lambda s: run_batch(s, min(args.batch, last - s), args.inners, args.fuzzer),
+                                starts))
+    outputs = [out for _, out, _, _ in results]
     seconds = sum(t for _, _, t, _ in results)
     lines: List[str] = [f"# {len(results)} runs, {last - first} cases in all, {seconds:.0f} s of run time "
                         f"({args.jobs} runs at a time); `python -m tools.fuzz_runs {' '.join(argv or sys.argv[1:])}`; "
                         f"the per-run summaries below, each headed by its command and commit", ""]
+    if args.fuzzer == "fuzz_combine":
+        lines += combine_totals(outputs) + [""]
+        for start, (cmd, out, secs, _) in zip(starts, results):
+            lines += [f"cmd: {cmd} (commit {commit}, {stamps[start]}, {secs:.0f} s)", out.rstrip(), ""]
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print("\n".join(line for line in lines if line.startswith("TOTAL")))
+        return 1 if any(rc != 0 for *_, rc in results) else 0
+    per_inner, knobs = totals(outputs)
     for inner, counts in per_inner.items():
         lines.append(f"TOTAL {inner}: " + " ".join(f"{k}={v}" for k, v in counts.items()))
     oracle, largest = oracle_totals([out for _, out, _, _ in results])
