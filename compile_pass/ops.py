@@ -131,7 +131,7 @@ def row_step(rows: int) -> int:
     return max(1, -(-rows // BLOCK_FRACTION))
 
 
-def _row_blocks(a: torch.Tensor, b: Optional[torch.Tensor], op: str
+def row_blocks(a: torch.Tensor, b: Optional[torch.Tensor], op: str
                 ) -> Tuple[int, int, Callable[[slice], torch.Tensor]]:
     """(rows, width, block(span)): the capture ``a`` or ``op(a, b)`` as ``[rows, width]``,
     formed a row span at a time (``b`` of another shape, a broadcast: formed whole)."""
@@ -156,7 +156,7 @@ def project_rows_(acc: torch.Tensor, src: torch.Tensor, weight: torch.Tensor, st
     nothing of the whole capture's size is allocated. A capture that is already a tensor and
     needs no transform makes no temporary: one GEMM. The eager accumulator and the compiled
     ops both come here, so they agree bit for bit."""
-    n, h, block_of = _row_blocks(src, other, op)
+    n, h, block_of = row_blocks(src, other, op)
     out = acc.view(-1, acc.shape[-1])
     block = weight.narrow(1, start, h).t()
     step = max(1, n) if transform is None and other is None else row_step(n)
@@ -224,7 +224,7 @@ def sum_squares_into_(sumsq: torch.Tensor, a: torch.Tensor, b: Optional[torch.Te
     """``sumsq (+)= sum(src**2, -1, keepdim)`` in fp32 (``sumsq``: fp32 ``[*lead, 1]``): the
     capture's share of a norm over the whole concat, taken when the capture is made (a
     later in-place write into the capture's inputs cannot reach it)."""
-    n, _, block_of = _row_blocks(a, b, op)  # formed and upcast a row block at a time
+    n, _, block_of = row_blocks(a, b, op)  # formed and upcast a row block at a time
     sums, step = sumsq.view(-1, 1), row_step(n)
     for r in range(0, n, step):
         span = slice(r, r + step)

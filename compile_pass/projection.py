@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-from compile_pass.ops import project_rows_, rms_norm, sum_squares_into_  # shared with the pass's ops
+from compile_pass.ops import project_rows_, rms_norm, row_blocks, row_step, sum_squares_into_  # the pass's ops
 from compile_pass.errors import AuxCaptureError
 
 __all__ = ["RMSNormSpec", "DraftProjection", "ProjectingAccumulator", "accumulate_term_", "project_term_", "finish_", "rms_norm"]
@@ -169,15 +169,16 @@ def project_term_(p: DraftProjection, acc: torch.Tensor, hidden: torch.Tensor, k
 
 
 def accumulate_term_(p: DraftProjection, acc: torch.Tensor, sumsq: Optional[torch.Tensor], hidden: torch.Tensor,
-                     k: int, first: bool) -> None:
+                     k: int, first: bool, other: Optional[torch.Tensor] = None, op: str = "") -> None:
     """Add capture ``k``'s term to ``acc`` and, for a norm over the concat, its sum of
     squares to ``sumsq`` (fp32 ``[*lead, 1]``; ``ops.sum_squares_into_``): eager and
-    compiled agree bit for bit."""
+    compiled agree bit for bit. The capture is ``hidden``, or ``op(hidden, other)`` formed
+    a row block at a time."""
     if p.norm_before_fc is not None:
         if sumsq is None:
             raise AuxCaptureError("a norm over the concat needs its sum-of-squares buffer")
-        sum_squares_into_(sumsq, hidden, None, "", first)
-    project_term_(p, acc, hidden, k, first)
+        sum_squares_into_(sumsq, hidden, other, op, first)
+    project_term_(p, acc, hidden, k, first, other=other, op=op)
 
 
 def finish_(p: DraftProjection, acc: torch.Tensor, sumsq: Optional[torch.Tensor]) -> torch.Tensor:
@@ -251,9 +252,18 @@ class ProjectingAccumulator:
             raise AuxCaptureError(f"capture {self._idx} has leading shape {tuple(hidden.shape[:-1])}, "
                                   f"the first capture had {self._lead}")
 
-    def append(self, hidden: torch.Tensor) -> None:
-        """Project ``hidden`` (capture ``len(self)``) and add its term to the accumulator."""
+    def append(self, hidden: torch.Tensor, residual: Optional[torch.Tensor] = None) -> None:
+        """Project ``hidden`` (capture ``len(self)``), or ``hidden + residual`` (a decoder's
+        input to the next layer, formed a row block at a time, never whole), and add its term
+        to the accumulator."""
         self._check(hidden)
+        if residual is not None and (not isinstance(residual, torch.Tensor) or residual.shape != hidden.shape
+                                     or residual.dtype != hidden.dtype or residual.device != hidden.device):
+            got = (f"{tuple(residual.shape)} {residual.dtype} on {residual.device}"
+                   if isinstance(residual, torch.Tensor) else type(residual).__name__)
+            raise AuxCaptureError(f"capture {self._idx}'s residual is {got}, its hidden state "
+                                  f"{tuple(hidden.shape)} {hidden.dtype} on {hidden.device}")
+        op = "add" if residual is not None else ""
         p, k = self.projection, self._idx
         if self._acc is None:
             self._lead, self._dtype = tuple(hidden.shape[:-1]), hidden.dtype
@@ -262,14 +272,16 @@ class ProjectingAccumulator:
                 self._sumsq = hidden.new_zeros((*self._lead, 1), dtype=torch.float32)
         if self._acc.dtype == hidden.dtype:
             # the compiled ops' own arithmetic: one rounding of the running sum per capture
-            accumulate_term_(p, self._acc, self._sumsq, hidden, k, first=False)
-        else:
+            accumulate_term_(p, self._acc, self._sumsq, hidden, k, first=False, other=residual, op=op)
+        else:  # each block's term in the captures' dtype, summed in the accumulator's
             if self._sumsq is not None:
-                sum_squares_into_(self._sumsq, hidden, None, "", False)
-            rows = hidden.reshape(-1, p.hidden)
-            transform = _term_transform(p, k)
-            x = transform(rows, slice(None)) if transform is not None else rows
-            self._acc.view(-1, p.out_features).add_(x @ p.block(k).t())
+                sum_squares_into_(self._sumsq, hidden, residual, op, False)
+            rows, _, block_of = row_blocks(hidden, residual, op)
+            transform, out, step = _term_transform(p, k), self._acc.view(-1, p.out_features), row_step(rows)
+            for r in range(0, rows, step):
+                span = slice(r, r + step)
+                x = block_of(span)
+                out[span].add_((transform(x, span) if transform is not None else x) @ p.block(k).t())
         self._idx += 1
 
     def capture(self, hidden: torch.Tensor, *, owned: bool = False) -> None:

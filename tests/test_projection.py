@@ -175,3 +175,43 @@ def test_one_norm_module_shared_by_every_chunk():
     projection = DraftProjection.build(K, torch.randn(HD, K * H), fc_norms=[norm])
     assert len(projection.fc_norms) == K
     assert {n.weight.data_ptr() for n in projection.fc_norms} == {norm.weight.data_ptr()}
+
+
+@pytest.mark.parametrize("name", COMBINES)
+@pytest.mark.parametrize("dtype,accumulate", [(torch.float32, None), (torch.bfloat16, None),
+                                              (torch.bfloat16, torch.float32)])
+def test_hidden_plus_residual_is_projected_as_their_sum_without_forming_it(name, dtype, accumulate):
+    """``append(hidden, residual)`` (a decoder's next-layer input): bitwise what
+    ``append(hidden + residual)`` gives, and the sum is formed a row block at a time:
+    the peak of one append stays below one capture's bytes above the accumulator."""
+    fc, norms = _combine(name, dtype)
+    t = 4096  # blocks of 1/8 of the rows: a whole [t, H] temporary would be 8x a block
+    torch.manual_seed(2)
+    pairs = [(torch.randn(t, H, dtype=dtype), torch.randn(t, H, dtype=dtype)) for _ in range(K)]
+    summed = ProjectingAccumulator.for_draft(K, fc, accumulate_dtype=accumulate, **norms)
+    split = ProjectingAccumulator.for_draft(K, fc, accumulate_dtype=accumulate, **norms)
+    for h, r in pairs:
+        summed.append(h + r)
+        split.append(h, r)
+    assert torch.equal(split.finalize(), summed.finalize())
+
+    def append_all(sum_first):
+        acc = ProjectingAccumulator.for_draft(K, fc, accumulate_dtype=accumulate, **norms)
+        for h, r in pairs:
+            acc.append(h + r) if sum_first else acc.append(h, r)
+        return acc  # the appends alone (finalize's own temporaries are another matter)
+
+    acc_bytes = t * HD * (accumulate or dtype).itemsize
+    capture = t * H * dtype.itemsize
+    extra = {s: measure_peak(append_all, s).bytes - acc_bytes for s in (True, False)}
+    assert extra[False] <= 0.75 * capture, (extra[False] / capture, name)  # blocks of 1/8 of the rows
+    assert extra[True] - extra[False] >= 0.5 * capture, (extra, name)  # the whole sum never made
+
+
+def test_a_residual_unlike_its_hidden_state_is_named():
+    acc = ProjectingAccumulator(K, torch.randn(HD, K * H))
+    with pytest.raises(AuxCaptureError, match=r"capture 0's residual is \(96, 32\) torch.float32 on cpu, its hidden "
+                                               r"state \(96, 64\) torch.float32 on cpu"):
+        acc.append(torch.randn(T, H), torch.randn(T, 32))
+    with pytest.raises(AuxCaptureError, match=r"capture 0's residual is list"):
+        acc.append(torch.randn(T, H), [])

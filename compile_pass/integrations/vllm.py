@@ -214,9 +214,8 @@ def _project_capture(model: Any, aux_hidden_states: list, k: int, hidden_states:
         state = (aux_hidden_states, acc)
         model.__dict__["_compile_pass_projected"] = state
     acc = state[1]
-    value = hidden_states + residual if residual is not None else hidden_states
-    acc.append(value)
-    aux_hidden_states.append(value.new_empty((*value.shape[:-1], 0)))
+    acc.append(hidden_states, residual)  # hidden + residual formed a row block at a time, never whole
+    aux_hidden_states.append(hidden_states.new_empty((*hidden_states.shape[:-1], 0)))
     if len(acc) == k:
         aux_hidden_states[0] = acc.finalize()
         model.__dict__.pop("_compile_pass_projected", None)
