@@ -6,6 +6,7 @@ speculators' concat and the draft's ``combine_hidden_states`` passing it on, the
 buffers and DFlash's staging one ``H_draft`` wide."""
 
 import os
+import tempfile
 
 import pytest
 
@@ -18,6 +19,7 @@ from compile_pass import ProjectingAccumulator, measure_peak  # noqa: E402
 from compile_pass.integrations import vllm as plugin  # noqa: E402
 from compile_pass.integrations import vllm_projection  # noqa: E402
 import models.vllm_style as H  # noqa: E402
+from models.vllm_drafts import build_eagle3  # noqa: E402
 
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 CAPTURES = (1, 3, 5, 6, 7)
@@ -32,7 +34,18 @@ def _vllm_combine():
 
 
 def Eagle3Draft(combine: str = "fc") -> nn.Module:
+    """The stand-in (for tests that take a draft apart); ``real_draft`` is vLLM's own class."""
     return H.Eagle3Draft(K, HIDDEN, H_DRAFT, combine)
+
+
+def real_draft(combine: str = "fc", h_draft: int = H_DRAFT, registers: bool = True) -> nn.Module:
+    """vLLM's ``Eagle3LlamaForCausalLM`` built by its loader from config folders
+    (``models/vllm_drafts.py``); with the projection on, its ``__init__`` registers it."""
+    draft = build_eagle3(tempfile.mkdtemp(prefix="cp-vllm-draft-"), hidden=HIDDEN, layers=max(CAPTURES) + 2,
+                         h_draft=h_draft, capture_layers=CAPTURES, combine=combine)
+    assert type(draft).__name__ == "Eagle3LlamaForCausalLM"
+    assert (vllm_projection._owner() is draft) == registers  # registered by the class's own __init__
+    return draft
 
 
 @pytest.fixture
@@ -65,22 +78,23 @@ def test_compiled_target_returns_the_projected_draft_input(projecting, backend, 
     the target's own output bitwise the same build without captures; the speculator's cat
     and the draft's combine pass it on."""
     exact = backend == "eager"  # eager pieces run ATen's kernels, as the uncompiled model
-    draft = Eagle3Draft(combine)
-    assert vllm_projection.register_draft(draft)
     ref = H.build("none", capture_at=CAPTURES)[0]
     torch.manual_seed(1)
     x = torch.randn(300, HIDDEN)
     small = [torch.randn(n, HIDDEN) for n in (5, 64)]
     before = plugin.stats["groups_projected"]
-    run, others = _run_list(backend, CAPTURES, x, small, ref, mode)
+    model, run, _ = H.build(backend, capture_at=CAPTURES, mode=mode)  # the target, then its draft (load_model)
+    model.load_state_dict(ref.state_dict())
+    draft = real_draft(combine)
+    others = [run(s) for s in small]  # the first call compiles (symbolic token count)
     assert plugin.stats["groups_projected"] > before
     plain = H.build(backend, capture_at=(), mode=mode)  # the same build without captures
     plain[0].load_state_dict(ref.state_dict())
     for inp, (h, aux) in zip([*small, x], [*others, run(x)]):
         with torch.no_grad():
             rh, raux = ref(inp)
-            acc = ProjectingAccumulator(K, draft.model.fc.weight, norm_before_fc=draft.model.input_norm,
-                                        fc_norms=draft.model.fc_norm)
+            acc = ProjectingAccumulator(K, draft.model.fc.weight, fc_norms=draft.model.fc_norm,
+                                        norm_before_fc=draft.model.input_norm if draft.model.norm_before_fc else None)
             acc.extend(raux)
             expected = acc.finalize()
             listed = _vllm_combine()(draft, torch.cat(raux, -1))
@@ -105,8 +119,7 @@ def test_projected_peak_is_below_the_packed_buffer(projecting):
     """Overhead above the build without captures, in packed bytes, eager pieces, T=2048:
     the projected target stays below H_draft/(K*H) plus the sum of squares' column (0.15 +
     a little), where the packer ends at 1.00."""
-    draft = Eagle3Draft("norm_before_fc")
-    assert vllm_projection.register_draft(draft)
+    draft = real_draft("norm_before_fc")
     ref = H.build("none", capture_at=CAPTURES)[0]
     x = torch.randn(2048, HIDDEN)
     peaks = {}
@@ -130,8 +143,7 @@ def test_uncompiled_target_projects_each_capture(projecting):
     finished projection in the list's first place, equal to the eager accumulator."""
     from vllm.model_executor.models.interfaces import EagleModelMixin
 
-    draft = Eagle3Draft("fc_norms")
-    assert vllm_projection.register_draft(draft)
+    draft = real_draft("fc_norms")
 
     class M(EagleModelMixin):
         aux_hidden_state_layers = (0, 1, 2, 3, 4)
@@ -155,8 +167,7 @@ def test_full_cudagraph_buffers_and_dflash_staging_are_h_draft_wide(projecting):
     ``[rows, H_draft]`` while a draft is registered, and its ``cat(..., out=)`` fills it."""
     from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
-    draft = Eagle3Draft()
-    assert vllm_projection.register_draft(draft)
+    draft = real_draft()
     mgr = object.__new__(ModelCudaGraphManager)
     outs = [torch.randn(512, H_DRAFT)] + [torch.empty(512, 0) for _ in range(K - 1)]
     mgr.aux_hidden_states = [torch.empty_like(x) for x in outs]  # capture()'s allocation
@@ -188,8 +199,7 @@ def test_draft_classes_are_patched_and_pass_projections_on(projecting):
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
     assert hasattr(Eagle3LlamaForCausalLM.__init__, "__wrapped__")
-    draft = Eagle3Draft("norm_before_fc")
-    assert vllm_projection.register_draft(draft)
+    draft = real_draft("norm_before_fc")
     projected = vllm_projection.mark_projection(torch.randn(9, H_DRAFT))
     assert Eagle3LlamaForCausalLM.combine_hidden_states(draft, projected) is projected
     unmarked = torch.randn(9, H_DRAFT)  # as wide as a projection, but not one the plugin made
@@ -265,9 +275,8 @@ def test_a_square_fc_is_refused_and_never_applied_twice(projecting):
     save) and could only be told from them by a mark. The draft is refused with the reason;
     the speculator's cat of the packed captures is vLLM's, and the combine applies ``fc``
     once, as without the plugin."""
-    square = H.Eagle3Draft(K, HIDDEN, K * HIDDEN, "fc")
     with pytest.warns(RuntimeWarning, match="fc is square"):
-        assert not vllm_projection.register_draft(square)
+        square = real_draft("fc", h_draft=K * HIDDEN, registers=False)
     assert vllm_projection.draft_name() is None
     packed = torch.randn(9, K * HIDDEN)
     spec = __import__("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", fromlist=["x"])

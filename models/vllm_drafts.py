@@ -1,0 +1,111 @@
+"""vLLM's own Eagle3 draft (``llama_eagle3.Eagle3LlamaForCausalLM``) built the way vLLM's
+speculator loads it, on the CPU with the CUDA wheel (tests/test_vllm_projection.py,
+benchmarks/vllm_projection.py; models/ is used from the repo).
+
+``build_eagle3(root, ...)`` writes a target's and a draft's ``config.json`` under ``root``,
+makes ``ModelConfig`` + ``SpeculativeConfig(method="eagle3")`` + ``VllmConfig`` from them and
+calls vLLM's ``get_model(vllm_config=speculative_config.apply_draft_overrides(config),
+model_config=speculative_config.draft_model_config)``, the call its Eagle3 speculator's
+``load_eagle_model`` makes (dummy weights: vLLM's ``DummyModelLoader``). So the draft class
+is the one vLLM's registry resolves from ``architectures=["LlamaForCausalLMEagle3"]``, its
+``__init__`` (patched by the plugin when ``COMPILE_PASS_VLLM_PROJECT=1``) runs as in an
+engine, and ``norm_before_fc`` / ``fc_norm`` are read from the draft config as vLLM reads them.
+
+Two things the CPU needs: the CUDA wheel's "unspecified" platform names no attention backend
+(FlexAttention is returned while the draft is built: the combine runs no attention), and
+``custom_ops=["none"]`` so RMSNorm runs ``forward_native``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any, Iterator, Sequence
+
+import torch
+
+COMBINES = ("fc", "norm_before_fc", "fc_norms")
+
+
+def _write_configs(root: str, *, hidden: int, layers: int, h_draft: int, capture_layers: Sequence[int],
+                   combine: str, dtype: torch.dtype, vocab: int) -> tuple:
+    """The target's and the draft's config folders under ``root``."""
+    if combine not in COMBINES:
+        raise ValueError(f"unknown combine {combine!r}: one of {COMBINES}")
+    target, draft = os.path.join(root, "target"), os.path.join(root, "draft")
+    os.makedirs(target, exist_ok=True)
+    os.makedirs(draft, exist_ok=True)
+    base = dict(model_type="llama", intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=4,
+                vocab_size=vocab, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                torch_dtype=str(dtype).replace("torch.", ""))
+    with open(os.path.join(target, "config.json"), "w") as f:
+        json.dump(dict(base, architectures=["LlamaForCausalLM"], hidden_size=hidden, head_dim=hidden // 4,
+                       num_hidden_layers=layers), f)
+    eagle = {"eagle_aux_hidden_state_layer_ids": list(capture_layers), "norm_before_fc": combine == "norm_before_fc"}
+    with open(os.path.join(draft, "config.json"), "w") as f:
+        json.dump(dict(base, architectures=["LlamaForCausalLMEagle3"], hidden_size=h_draft, head_dim=h_draft // 4,
+                       num_hidden_layers=1, target_hidden_size=hidden, draft_vocab_size=vocab,
+                       fc_norm=combine == "fc_norms", eagle_config=eagle), f)
+    return target, draft
+
+
+@contextlib.contextmanager
+def _flex_attention_backend() -> Iterator[None]:
+    """The attention-backend lookup answers FlexAttention while the draft is built (the CUDA
+    wheel's platform on a CPU names none)."""
+    import vllm.model_executor.layers.attention.attention as attention
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
+
+    original = attention.get_attn_backend
+    attention.get_attn_backend = lambda *args, **kwargs: FlexAttentionBackend
+    try:
+        yield
+    finally:
+        attention.get_attn_backend = original
+
+
+def _init_parallel_state(config: Any, root: str) -> None:
+    """vLLM's single-rank parallel groups (gloo), once per process."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    parallel_state.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                                distributed_init_method=f"file://{os.path.join(root, 'dist')}")
+    parallel_state.initialize_model_parallel(1)
+
+
+def build_eagle3(root: str, *, hidden: int, layers: int, h_draft: int, capture_layers: Sequence[int],
+                 combine: str = "fc", dtype: torch.dtype = torch.float32, vocab: int = 256) -> torch.nn.Module:
+    """vLLM's Eagle3 draft for a Llama target of ``layers`` x ``hidden`` capturing at
+    ``capture_layers``, built by vLLM's loader from config folders written under ``root``
+    (``combine``: ``"fc"``, ``"norm_before_fc"`` or ``"fc_norms"``). Weights are vLLM's dummy
+    ones, the fc's scaled to order one (so its projection is not lost in rounding)."""
+    from vllm.config import (CompilationConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
+                             SpeculativeConfig, VllmConfig, set_current_vllm_config)
+    from vllm.model_executor.model_loader import get_model
+
+    target, draft = _write_configs(root, hidden=hidden, layers=layers, h_draft=h_draft,
+                                   capture_layers=capture_layers, combine=combine, dtype=dtype, vocab=vocab)
+    model_config = ModelConfig(model=target, skip_tokenizer_init=True, dtype=dtype, max_model_len=8192)
+    parallel = ParallelConfig()
+    speculative = SpeculativeConfig(method="eagle3", model=draft, num_speculative_tokens=1,
+                                    target_model_config=model_config, target_parallel_config=parallel)
+    config = VllmConfig(model_config=model_config, speculative_config=speculative, parallel_config=parallel,
+                        load_config=LoadConfig(load_format="dummy"), device_config=DeviceConfig("cpu"),
+                        compilation_config=CompilationConfig(custom_ops=["none"]))
+    draft_config = speculative.apply_draft_overrides(config) if hasattr(speculative, "apply_draft_overrides") \
+        else config
+    with set_current_vllm_config(config):
+        _init_parallel_state(config, root)
+    with set_current_vllm_config(draft_config), _flex_attention_backend():
+        model = get_model(vllm_config=draft_config, model_config=speculative.draft_model_config).eval()
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(3)
+        fc = model.model.fc.weight
+        fc.copy_(torch.randn(fc.shape, generator=generator).to(fc.dtype) * 4.0 / fc.shape[1] ** 0.5)
+        inner = model.model
+        for norm in ([inner.input_norm] if inner.norm_before_fc else []) + list(inner.fc_norm or []):
+            norm.weight.copy_((1 + 0.1 * torch.randn(norm.weight.shape, generator=generator)).to(norm.weight.dtype))
+    return model
