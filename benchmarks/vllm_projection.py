@@ -5,6 +5,9 @@
         --out docs/results/vllm_projection_0.34_eager_k3_fc.json        # one (K, combine) a process
     $V/python benchmarks/vllm_projection.py --backends inductor --no-engine \\
         --out docs/results/vllm_projection_0.34_inductor_toy.json
+    $V/python benchmarks/vllm_projection.py --backends eager,inductor --modes VLLM_COMPILE,DYNAMO_TRACE_ONCE \
+        --ks 3 --combines fc,norm_before_fc,fc_norms --no-engine --draft real --h-draft 192 \
+        --out docs/results/vllm_projection_0.34_real_draft_k3.json     # vLLM's own draft class
     $V/python benchmarks/vllm_projection.py --render docs/results/vllm_projection_0.34_*.json
 
 vLLM's compile state keeps every engine build alive (about 4 GB each for the 10-layer rank),
@@ -26,8 +29,13 @@ Models: ``models/vllm_style.py``'s decoder (fp32, H=256, 10 layers, 2048 tokens;
 Eagle3's layers (2, 5, 7), K=8 at layers 1-8) and one Llama 3.1 70B TP=8 rank
 (``models/engine.py``: fused in-place add-RMSNorm, opaque attention, in-place all-reduce;
 bf16, ``--engine-layers`` layers, 1024 tokens; K=3 Eagle3's layers, K=8 DFlash's spread).
-The draft: ``H_draft`` = the target's hidden size (Eagle3), combine ``fc`` or
-``norm_before_fc``.
+The draft: ``H_draft`` = the target's hidden size (Eagle3) unless ``--h-draft``, combine
+``fc``, ``norm_before_fc`` or ``fc_norms``; ``--draft real`` builds vLLM's own
+``Eagle3LlamaForCausalLM`` through its loader from config folders after each target
+(``models/vllm_drafts.py``; its patched ``__init__`` registers it), ``standin`` the
+``models/vllm_style.Eagle3Draft`` laid out as it. The ``vllm_style`` decoder captures
+``hidden + residual`` (vLLM's ``_maybe_add_hidden_state``); ``--modes DYNAMO_TRACE_ONCE``
+compiles it as one graph (vLLM's CPU platform's mode).
 
 overhead = (peak - peak of the same build without captures and without the draft's input)
 / packed bytes ``T*K*H``. ``model bitwise``: the target's output equals the uncompiled
@@ -42,6 +50,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
@@ -73,8 +82,31 @@ def _speculator_cat(aux):
     return spec.torch.cat(aux, dim=-1)
 
 
-def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine):
-    """make(captures: bool) -> (cls, kwargs); one row per setting."""
+def _draft(kind, k, hidden, h_draft, dtype, combine, capture_layers):
+    """The draft whose combine reads the captures: vLLM's own ``Eagle3LlamaForCausalLM`` built
+    by its loader from config folders (``real``; registered by its patched ``__init__`` when
+    projecting), or ``models/vllm_style.Eagle3Draft`` laid out as it (``standin``)."""
+    if kind == "real":
+        from models.vllm_drafts import build_eagle3
+
+        if not capture_layers:
+            raise SystemExit("--draft real needs the target's capture layers (the vllm_style rows: --no-engine)")
+        draft = build_eagle3(tempfile.mkdtemp(prefix="cp-vllm-draft-"), hidden=hidden, h_draft=h_draft,
+                             layers=max(capture_layers) + 2, capture_layers=capture_layers, combine=combine,
+                             dtype=dtype)
+        if plugin._projecting():
+            assert vllm_projection.draft_name() is not None, "the real draft did not register"
+        return draft
+    draft = H.Eagle3Draft(k, hidden, h_draft, combine, dtype=dtype).requires_grad_(False)
+    if plugin._projecting():
+        assert vllm_projection.register_draft(draft)
+    return draft
+
+
+def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine, draft_kind="standin", h_draft=None,
+            capture_layers=(), mode="VLLM_COMPILE"):
+    """make(captures: bool) -> (cls, kwargs); one row per setting. The target is built, then
+    its draft (as vLLM's ``load_model``), then compiled by its first call."""
     ref_cls, ref_kwargs = make(False)
     torch.manual_seed(0)
     ref = ref_cls(**ref_kwargs).eval()
@@ -83,18 +115,17 @@ def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine):
     state = ref.state_dict()
     del ref
     rows, listed = [], None
-    head = torch.randn(4096, hidden, generator=torch.Generator().manual_seed(7)).to(dtype)
+    h_draft = h_draft or hidden
+    head = torch.randn(4096, h_draft, generator=torch.Generator().manual_seed(7)).to(dtype)
     for setting in SETTINGS:
         _set(setting)
-        draft = H.Eagle3Draft(k, hidden, hidden, combine, dtype=dtype).requires_grad_(False)
-        if setting == "projected":
-            assert vllm_projection.register_draft(draft)
         t = time.time()
         peaks, outs = {}, {}
         for caps in (False, True):
             cls, kwargs = make(caps)
-            model, run, _ = H.build(backend, cls=cls, **kwargs)
+            model, run, _ = H.build(backend, cls=cls, mode=mode, **kwargs)
             model.load_state_dict(state, strict=False)
+            draft = _draft(draft_kind, k, hidden, h_draft, dtype, combine, capture_layers)
             run(*warm)
 
             @torch.no_grad()
@@ -112,11 +143,13 @@ def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine):
         if setting == "list":
             listed = drafted
         diff = (drafted.float() - listed.float()).abs()
-        norm = draft.model.fc_norm[0] if draft.model.fc_norm is not None else H.DraftRMSNorm(hidden, dtype=dtype)
+        norm = H.DraftRMSNorm(h_draft, dtype=dtype)
         with torch.no_grad():
             tokens = [(norm(d) @ head.t()).argmax(-1) for d in (drafted, listed)]
         rows.append({
-            "model": name, "pieces": backend, "k": k, "combine": combine, "setting": setting,
+            "model": name, "pieces": backend if mode == "VLLM_COMPILE" else f"{backend}, one graph", "k": k,
+            "combine": combine, "setting": setting, "draft": type(draft).__name__ if draft_kind == "real"
+            else "stand-in", "hidden": hidden, "h_draft": h_draft, "capture": "hidden + residual" if name == "vllm_style" else "clone",
             "dtype": str(dtype).replace("torch.", ""),
             "peak_mib": round(peaks[True] / 2**20, 2), "peak_no_capture_mib": round(peaks[False] / 2**20, 2),
             "packed_mib": round(nbytes / 2**20, 2), "overhead": round((peaks[True] - peaks[False]) / nbytes, 3),
@@ -134,19 +167,22 @@ def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine):
 
 
 def render(paths) -> str:
-    lines = ["| vllm | model | pieces | K | combine | list | packer | projected | model bitwise | "
-             "projected vs list: max abs / rel | greedy agreement |", "|" + "---|" * 11]
+    lines = ["| vllm | model | draft | pieces | K | combine | list | packer | projected | floor | model bitwise | "
+             "projected vs list: max abs / rel | greedy agreement |", "|" + "---|" * 13]
     for path in paths:
         with open(path) as f:
             result = json.load(f)
         groups = {}
         for r in result["rows"]:
-            groups.setdefault((r["model"], r["pieces"], r["k"], r["combine"]), {})[r["setting"]] = r
-        for (model, pieces, k, combine), by in groups.items():
+            groups.setdefault((r["model"], r.get("draft", "stand-in"), r["pieces"], r["k"], r["combine"]),
+                              {})[r["setting"]] = r
+        for (model, draft, pieces, k, combine), by in groups.items():
             p = by["projected"]
             bitwise = "yes" if all(r["model_bitwise"] for r in by.values()) else "no"
-            lines.append(f"| {result['vllm']} | {model} ({p['dtype']}) | {pieces} | {k} | {combine} | "
-                         f"{by['list']['overhead']:.2f} | {by['packer']['overhead']:.2f} | {p['overhead']:.2f} | "
+            floor = f"{p['h_draft'] / (k * p['hidden']):.3f}" if "hidden" in p else "-"
+            lines.append(f"| {result['vllm']} | {model} ({p['dtype']}) | {draft} | {pieces} | {k} | {combine} | "
+                         f"{by['list']['overhead']:.2f} | {by['packer']['overhead']:.2f} | {p['overhead']:.3f} | "
+                         f"{floor} | "
                          f"{bitwise} | {p['max_abs']:.2g} / {p['max_rel']:.2g} | {p['agreement']:.2%} |")
     return "\n".join(lines)
 
@@ -161,6 +197,10 @@ def main() -> None:
     ap.add_argument("--engine-layers", type=int, default=10)
     ap.add_argument("--engine-tokens", type=int, default=1024)
     ap.add_argument("--no-engine", action="store_true")
+    ap.add_argument("--draft", choices=("standin", "real"), default="standin",
+                    help="real: vLLM's Eagle3LlamaForCausalLM built by its loader (models/vllm_drafts.py)")
+    ap.add_argument("--h-draft", type=int, help="the draft's width (default: the target's hidden size)")
+    ap.add_argument("--modes", default="VLLM_COMPILE", help="VLLM_COMPILE (pieces), DYNAMO_TRACE_ONCE (one graph)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.render:
@@ -169,13 +209,14 @@ def main() -> None:
     rows = []
     x = torch.randn(args.tokens, 256)
     layers = {3: (2, 5, 7), 8: tuple(range(1, 9))}
-    for backend in args.backends.split(","):
+    for backend, mode in [(b, m) for b in args.backends.split(",") for m in args.modes.split(",")]:
         for k in [int(k) for k in args.ks.split(",")]:
             for combine in args.combines.split(","):
                 def make(caps, k=k):
                     return H.VllmStyleDecoder, {"num_layers": 10, "capture_at": layers[k] if caps else ()}
                 rows += measure("vllm_style", backend, make, (x,), (torch.randn(64, 256),), k, 256,
-                                torch.float32, combine)
+                                torch.float32, combine, draft_kind=args.draft, h_draft=args.h_draft,
+                                capture_layers=layers[k], mode=mode)
                 if args.no_engine:
                     continue
                 from models import engine
@@ -186,7 +227,9 @@ def main() -> None:
                 def make_engine(caps, cfg=cfg):
                     return H.EngineRank, {"cfg": cfg, "capture_mode": "list_out" if caps else "none"}
                 rows += measure(f"llama_3_1_70b_tp8_{args.engine_layers}l", backend, make_engine, (ids, pos),
-                                engine.example_inputs(cfg, 64), k, cfg.hidden_size, torch.bfloat16, combine)
+                                engine.example_inputs(cfg, 64), k, cfg.hidden_size, torch.bfloat16, combine,
+                                draft_kind=args.draft, h_draft=args.h_draft, capture_layers=cfg.capture_layers,
+                                mode=mode)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"torch": torch.__version__, "vllm": __import__("vllm").__version__, "argv": sys.argv[1:],

@@ -2,9 +2,9 @@
 speculator loads it, on the CPU with the CUDA wheel (tests/test_vllm_projection.py,
 benchmarks/vllm_projection.py; models/ is used from the repo).
 
-``build_eagle3(root, ...)`` writes a target's and a draft's ``config.json`` under ``root``,
-makes ``ModelConfig`` + ``SpeculativeConfig(method="eagle3")`` + ``VllmConfig`` from them and
-calls vLLM's ``get_model(vllm_config=speculative_config.apply_draft_overrides(config),
+``eagle3_engine(root, ...)`` writes a target's and a draft's ``config.json`` under ``root``
+and makes the engine's ``ModelConfig`` + ``SpeculativeConfig(method="eagle3")`` +
+``VllmConfig`` from them; its ``build_draft()`` calls vLLM's ``get_model(vllm_config=speculative_config.apply_draft_overrides(config),
 model_config=speculative_config.draft_model_config)``, the call its Eagle3 speculator's
 ``load_eagle_model`` makes (dummy weights: vLLM's ``DummyModelLoader``). So the draft class
 is the one vLLM's registry resolves from ``architectures=["LlamaForCausalLMEagle3"]``, its
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -76,15 +77,50 @@ def _init_parallel_state(config: Any, root: str) -> None:
     parallel_state.initialize_model_parallel(1)
 
 
-def build_eagle3(root: str, *, hidden: int, layers: int, h_draft: int, capture_layers: Sequence[int],
-                 combine: str = "fc", dtype: torch.dtype = torch.float32, vocab: int = 256) -> torch.nn.Module:
-    """vLLM's Eagle3 draft for a Llama target of ``layers`` x ``hidden`` capturing at
-    ``capture_layers``, built by vLLM's loader from config folders written under ``root``
-    (``combine``: ``"fc"``, ``"norm_before_fc"`` or ``"fc_norms"``). Weights are vLLM's dummy
-    ones, the fc's scaled to order one (so its projection is not lost in rounding)."""
+@dataclass
+class Eagle3Engine:
+    """One engine's config (``config``: the target's ``ModelConfig`` and the Eagle3
+    ``SpeculativeConfig``); ``build_draft()`` loads its draft as the speculator does. A target
+    compiled under ``config`` (its ``speculative_config``) belongs to this engine."""
+
+    config: Any
+    root: str
+
+    @property
+    def speculative_config(self) -> Any:
+        return self.config.speculative_config
+
+    def build_draft(self) -> torch.nn.Module:
+        """vLLM's Eagle3 draft built by its loader (``get_model`` with the draft's config,
+        under it, as ``load_eagle_model``); the fc and norm weights then set to order one."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader import get_model
+
+        speculative = self.config.speculative_config
+        draft_config = speculative.apply_draft_overrides(self.config) \
+            if hasattr(speculative, "apply_draft_overrides") else self.config
+        with set_current_vllm_config(self.config):
+            _init_parallel_state(self.config, self.root)
+        with set_current_vllm_config(draft_config), _flex_attention_backend():
+            model = get_model(vllm_config=draft_config, model_config=speculative.draft_model_config).eval()
+        with torch.no_grad():
+            generator = torch.Generator().manual_seed(3)
+            fc = model.model.fc.weight
+            fc.copy_(torch.randn(fc.shape, generator=generator).to(fc.dtype) * 4.0 / fc.shape[1] ** 0.5)
+            inner = model.model
+            for norm in ([inner.input_norm] if inner.norm_before_fc else []) + list(inner.fc_norm or []):
+                norm.weight.copy_((1 + 0.1 * torch.randn(norm.weight.shape, generator=generator)).to(norm.weight.dtype))
+        return model
+
+
+def eagle3_engine(root: str, *, hidden: int, layers: int, h_draft: int, capture_layers: Sequence[int],
+                  combine: str = "fc", dtype: torch.dtype = torch.float32, vocab: int = 256) -> Eagle3Engine:
+    """An engine serving a Llama target of ``layers`` x ``hidden`` with an Eagle3 draft
+    (``h_draft`` wide, ``combine``: ``"fc"``, ``"norm_before_fc"`` or ``"fc_norms"``)
+    capturing at ``capture_layers``: config folders written under ``root``, vLLM's configs
+    made from them."""
     from vllm.config import (CompilationConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
-                             SpeculativeConfig, VllmConfig, set_current_vllm_config)
-    from vllm.model_executor.model_loader import get_model
+                             SpeculativeConfig, VllmConfig)
 
     target, draft = _write_configs(root, hidden=hidden, layers=layers, h_draft=h_draft,
                                    capture_layers=capture_layers, combine=combine, dtype=dtype, vocab=vocab)
@@ -95,17 +131,9 @@ def build_eagle3(root: str, *, hidden: int, layers: int, h_draft: int, capture_l
     config = VllmConfig(model_config=model_config, speculative_config=speculative, parallel_config=parallel,
                         load_config=LoadConfig(load_format="dummy"), device_config=DeviceConfig("cpu"),
                         compilation_config=CompilationConfig(custom_ops=["none"]))
-    draft_config = speculative.apply_draft_overrides(config) if hasattr(speculative, "apply_draft_overrides") \
-        else config
-    with set_current_vllm_config(config):
-        _init_parallel_state(config, root)
-    with set_current_vllm_config(draft_config), _flex_attention_backend():
-        model = get_model(vllm_config=draft_config, model_config=speculative.draft_model_config).eval()
-    with torch.no_grad():
-        generator = torch.Generator().manual_seed(3)
-        fc = model.model.fc.weight
-        fc.copy_(torch.randn(fc.shape, generator=generator).to(fc.dtype) * 4.0 / fc.shape[1] ** 0.5)
-        inner = model.model
-        for norm in ([inner.input_norm] if inner.norm_before_fc else []) + list(inner.fc_norm or []):
-            norm.weight.copy_((1 + 0.1 * torch.randn(norm.weight.shape, generator=generator)).to(norm.weight.dtype))
-    return model
+    return Eagle3Engine(config, root)
+
+
+def build_eagle3(root: str, **kwargs: Any) -> torch.nn.Module:
+    """``eagle3_engine(root, **kwargs).build_draft()``: the draft alone."""
+    return eagle3_engine(root, **kwargs).build_draft()

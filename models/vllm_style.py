@@ -181,11 +181,13 @@ def vllm_config(backend: str, splitting_ops: Sequence[str] = (ATTENTION_OP,), mo
 
 
 def build(backend: str = "eager", cls: type = VllmStyleDecoder, mode: str = "VLLM_COMPILE",
-          **model_kwargs: Any) -> Tuple[nn.Module, Callable[[torch.Tensor], Any], Any]:
+          speculative_config: Any = None, **model_kwargs: Any) -> Tuple[nn.Module, Callable[[torch.Tensor], Any], Any]:
     """(model, run, config): the decorated model built under its config (vLLM's compilation
     ``mode``: VLLM_COMPILE splits at the attention op, DYNAMO_TRACE_ONCE compiles one graph
     as vLLM's CPU platform does), ``run(x)`` calling it in vLLM's forward context.
-    ``backend="none"`` builds the same weights uncompiled."""
+    ``backend="none"`` builds the same weights uncompiled. ``speculative_config``: the engine's
+    (``models/vllm_drafts.py``), so the target belongs to that engine as in vLLM, where the
+    target and its draft share one."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
@@ -196,6 +198,7 @@ def build(backend: str = "eager", cls: type = VllmStyleDecoder, mode: str = "VLL
         model = cls(**model_kwargs).eval()
         return model, model, None
     config = vllm_config(backend, getattr(cls, "SPLITTING_OPS", (ATTENTION_OP,)), mode=mode)
+    config.speculative_config = speculative_config
     with set_current_vllm_config(config):
         model = decorated(cls)(vllm_config=config, prefix="", **model_kwargs).eval()
 

@@ -187,7 +187,7 @@ def _check_projected(device: str) -> None:
         model = _Model().to(device)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=aux_capture_backend(
-            "eager", project_outputs=vllm_projection.DRAFT_NAME), dynamic=False)
+            "eager", project_outputs=vllm_projection.draft_name()), dynamic=False)
         x = torch.zeros(MAX_TOKENS, H, device=device)
         torch.manual_seed(1)
         x.copy_(torch.randn(MAX_TOKENS, H))

@@ -19,7 +19,7 @@ from compile_pass import ProjectingAccumulator, measure_peak  # noqa: E402
 from compile_pass.integrations import vllm as plugin  # noqa: E402
 from compile_pass.integrations import vllm_projection  # noqa: E402
 import models.vllm_style as H  # noqa: E402
-from models.vllm_drafts import build_eagle3  # noqa: E402
+from models.vllm_drafts import eagle3_engine  # noqa: E402
 
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 CAPTURES = (1, 3, 5, 6, 7)
@@ -38,13 +38,20 @@ def Eagle3Draft(combine: str = "fc") -> nn.Module:
     return H.Eagle3Draft(K, HIDDEN, H_DRAFT, combine)
 
 
-def real_draft(combine: str = "fc", h_draft: int = H_DRAFT, registers: bool = True) -> nn.Module:
-    """vLLM's ``Eagle3LlamaForCausalLM`` built by its loader from config folders
-    (``models/vllm_drafts.py``); with the projection on, its ``__init__`` registers it."""
-    draft = build_eagle3(tempfile.mkdtemp(prefix="cp-vllm-draft-"), hidden=HIDDEN, layers=max(CAPTURES) + 2,
+def real_engine(combine: str = "fc", h_draft: int = H_DRAFT):
+    """An engine's configs (a Llama target, vLLM's Eagle3 draft; ``models/vllm_drafts.py``)."""
+    return eagle3_engine(tempfile.mkdtemp(prefix="cp-vllm-draft-"), hidden=HIDDEN, layers=max(CAPTURES) + 2,
                          h_draft=h_draft, capture_layers=CAPTURES, combine=combine)
+
+
+def real_draft(engine, registers: bool = True) -> nn.Module:
+    """vLLM's ``Eagle3LlamaForCausalLM`` built by its loader for ``engine``; with the
+    projection on, its own ``__init__`` registers it as that engine's draft."""
+    draft = engine.build_draft()
     assert type(draft).__name__ == "Eagle3LlamaForCausalLM"
-    assert (vllm_projection._owner() is draft) == registers  # registered by the class's own __init__
+    assert vllm_projection.is_registered(draft) == registers
+    if registers:
+        assert vllm_projection._owner(engine.config) is draft
     return draft
 
 
@@ -83,9 +90,11 @@ def test_compiled_target_returns_the_projected_draft_input(projecting, backend, 
     x = torch.randn(300, HIDDEN)
     small = [torch.randn(n, HIDDEN) for n in (5, 64)]
     before = plugin.stats["groups_projected"]
-    model, run, _ = H.build(backend, capture_at=CAPTURES, mode=mode)  # the target, then its draft (load_model)
+    engine = real_engine(combine)
+    model, run, _ = H.build(backend, capture_at=CAPTURES, mode=mode,  # the target, then its draft (load_model)
+                            speculative_config=engine.speculative_config)
     model.load_state_dict(ref.state_dict())
-    draft = real_draft(combine)
+    draft = real_draft(engine)
     others = [run(s) for s in small]  # the first call compiles (symbolic token count)
     assert plugin.stats["groups_projected"] > before
     plain = H.build(backend, capture_at=(), mode=mode)  # the same build without captures
@@ -119,13 +128,14 @@ def test_projected_peak_is_below_the_packed_buffer(projecting):
     """Overhead above the build without captures, in packed bytes, eager pieces, T=2048:
     the projected target stays below H_draft/(K*H) plus the sum of squares' column (0.15 +
     a little), where the packer ends at 1.00."""
-    draft = real_draft("norm_before_fc")
+    engine = real_engine("norm_before_fc")
+    draft = real_draft(engine)
     ref = H.build("none", capture_at=CAPTURES)[0]
     x = torch.randn(2048, HIDDEN)
     peaks = {}
     spec = __import__("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", fromlist=["x"])
     for caps in ((), CAPTURES):
-        model, run, _ = H.build("eager", capture_at=caps)
+        model, run, _ = H.build("eager", capture_at=caps, speculative_config=engine.speculative_config)
         model.load_state_dict(ref.state_dict())
         run(torch.randn(7, HIDDEN))
 
@@ -143,7 +153,10 @@ def test_uncompiled_target_projects_each_capture(projecting):
     finished projection in the list's first place, equal to the eager accumulator."""
     from vllm.model_executor.models.interfaces import EagleModelMixin
 
-    draft = real_draft("fc_norms")
+    from vllm.config import set_current_vllm_config
+
+    engine = real_engine("fc_norms")
+    draft = real_draft(engine)
 
     class M(EagleModelMixin):
         aux_hidden_state_layers = (0, 1, 2, 3, 4)
@@ -152,10 +165,11 @@ def test_uncompiled_target_projects_each_capture(projecting):
     h, r = torch.randn(32, HIDDEN), torch.randn(32, HIDDEN)
     aux, captured = [], []
     m = M()
-    for i in range(6):
-        captured.append(h + r)
-        aux = m._maybe_add_hidden_state(aux, i, h, r)
-        h, r = h * 1.5 + 1, r + h
+    with set_current_vllm_config(engine.config):  # the engine's forward
+        for i in range(6):
+            captured.append(h + r)
+            aux = m._maybe_add_hidden_state(aux, i, h, r)
+            h, r = h * 1.5 + 1, r + h
     acc = ProjectingAccumulator(K, draft.model.fc.weight, fc_norms=draft.model.fc_norm)
     acc.extend(captured[:K])
     assert len(aux) == K and torch.equal(aux[0], acc.finalize()) and all(a.shape == (32, 0) for a in aux[1:])
@@ -167,7 +181,7 @@ def test_full_cudagraph_buffers_and_dflash_staging_are_h_draft_wide(projecting):
     ``[rows, H_draft]`` while a draft is registered, and its ``cat(..., out=)`` fills it."""
     from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
 
-    draft = real_draft()
+    draft = real_draft(real_engine())
     mgr = object.__new__(ModelCudaGraphManager)
     outs = [torch.randn(512, H_DRAFT)] + [torch.empty(512, 0) for _ in range(K - 1)]
     mgr.aux_hidden_states = [torch.empty_like(x) for x in outs]  # capture()'s allocation
@@ -199,7 +213,7 @@ def test_draft_classes_are_patched_and_pass_projections_on(projecting):
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
     assert hasattr(Eagle3LlamaForCausalLM.__init__, "__wrapped__")
-    draft = real_draft("norm_before_fc")
+    draft = real_draft(real_engine("norm_before_fc"))
     projected = vllm_projection.mark_projection(torch.randn(9, H_DRAFT))
     assert Eagle3LlamaForCausalLM.combine_hidden_states(draft, projected) is projected
     unmarked = torch.randn(9, H_DRAFT)  # as wide as a projection, but not one the plugin made
@@ -276,8 +290,8 @@ def test_a_square_fc_is_refused_and_never_applied_twice(projecting):
     the speculator's cat of the packed captures is vLLM's, and the combine applies ``fc``
     once, as without the plugin."""
     with pytest.warns(RuntimeWarning, match="fc is square"):
-        square = real_draft("fc", h_draft=K * HIDDEN, registers=False)
-    assert vllm_projection.draft_name() is None
+        square = real_draft(real_engine("fc", h_draft=K * HIDDEN), registers=False)
+    assert not vllm_projection.is_registered(square)
     packed = torch.randn(9, K * HIDDEN)
     spec = __import__("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", fromlist=["x"])
     combined = square.combine_hidden_states(spec.torch.cat(list(packed.chunk(K, -1)), dim=-1))
@@ -318,3 +332,39 @@ def test_a_draft_whose_fc_weight_is_gone_leaves_the_target_packed_and_says_so(pr
         rh, raux = ref(x)
     assert [tuple(a.shape) for a in aux] == [(40, HIDDEN)] * K and torch.equal(h, rh)
     assert all(torch.equal(a, b) for a, b in zip(aux, raux))
+
+
+def test_one_draft_per_engine_each_target_projects_into_its_own(projecting):
+    """Two engines in one process, each with vLLM's Eagle3 draft (other widths, other
+    combines): each target, compiled under its engine's config, projects into its own
+    draft; a target of no engine is packed with the reason while both live (never the
+    last draft built); a freed draft's registration goes with it."""
+    import gc
+
+    from compile_pass import draft_registry
+
+    engines = {"a": real_engine("fc"), "b": real_engine("norm_before_fc", h_draft=128)}
+    drafts = {name: real_draft(e) for name, e in engines.items()}
+    names = {name: vllm_projection.draft_name(e.config) for name, e in engines.items()}
+    assert None not in names.values() and names["a"] != names["b"]
+    ref = H.build("none", capture_at=CAPTURES)[0]
+    x = torch.randn(48, HIDDEN)
+    with torch.no_grad():
+        raux = ref(x)[1]
+    for name, engine in engines.items():
+        model, run, _ = H.build("eager", capture_at=CAPTURES, speculative_config=engine.speculative_config)
+        model.load_state_dict(ref.state_dict())
+        aux = run(x)[1]
+        inner = drafts[name].model
+        acc = ProjectingAccumulator(K, inner.fc.weight, norm_before_fc=inner.input_norm if inner.norm_before_fc else None)
+        acc.extend(raux)
+        assert aux[0].shape == (48, inner.fc.weight.shape[0]) and torch.equal(aux[0], acc.finalize()), name
+    model, run, _ = H.build("eager", capture_at=CAPTURES)  # compiled outside either engine
+    model.load_state_dict(ref.state_dict())
+    with pytest.warns(RuntimeWarning, match="2 engines' drafts are registered in this process"):
+        aux = run(x)[1]
+    assert [tuple(a.shape) for a in aux] == [(48, HIDDEN)] * K  # packed: the captures as they are
+    del drafts["b"]
+    gc.collect()
+    assert names["b"] not in draft_registry.registered_names() and names["a"] in draft_registry.registered_names()
+    assert vllm_projection.draft_name() == names["a"]  # one engine's draft left: a target of no engine gets it

@@ -229,10 +229,11 @@ def _split_ops_of(splitting_ops: Any) -> List[str]:
 
 
 def _projected_draft() -> Optional[str]:
-    """The draft name compiled graphs project into (``COMPILE_PASS_VLLM_PROJECT=1``), else None.
-    The name, not the draft: a graph compiled before the draft is built looks it up when run
-    (``compile_pass.draft_registry``) and stays packed if none fits when it is rewritten."""
-    return vllm_projection.DRAFT_NAME if _projecting() else None
+    """The draft name the graph being compiled projects into (``COMPILE_PASS_VLLM_PROJECT=1``):
+    the registered draft of the engine being compiled (``vllm_projection.draft_name``: vLLM
+    sets its config around the first compile), else None (packed; ``_count_rewritten`` says
+    why). Read at each compile, after ``load_model`` built the draft."""
+    return vllm_projection.draft_name() if _projecting() else None
 
 
 _NOT_PROJECTED: set = set()
@@ -257,7 +258,7 @@ def _count_rewritten(results: Sequence[Any]) -> int:
     if _projecting():
         for g in (g for r in results for g in r.groups if g.decision.value == "rewrite" and not g.fused
                   and g.kind.value == "outputs"):
-            _warn_once_not_projected(g.projection)
+            _warn_once_not_projected(g.projection or vllm_projection.draft_or_why()[1])
     stats["graphs_rewritten"] += len(results)
     stats["groups_rewritten"] += rewritten
     return rewritten
@@ -425,10 +426,10 @@ class _OneGraphCapture:
         from compile_pass.backend import AuxCaptureBackend
 
         self.inner = inner
-        self.backend = AuxCaptureBackend(inner=inner, pack_outputs=True, project_outputs=_projected_draft(),
-                                         inductor_options=dict(inductor_options))
+        self.backend = AuxCaptureBackend(inner=inner, pack_outputs=True, inductor_options=dict(inductor_options))
 
     def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        self.backend.project_outputs = _projected_draft()  # the draft is built after this backend
         done = len(self.backend.results)
         compiled = self.backend(gm, example_inputs)
         _count_rewritten(self.backend.results[done:])

@@ -3,10 +3,15 @@
 With ``COMPILE_PASS_VLLM_PROJECT=1`` (beside ``COMPILE_PASS_VLLM=1``) the vLLM plugin takes
 the draft's combine (``combine_hidden_states``: optional ``input_norm`` when
 ``norm_before_fc``, optional one ``fc_norm`` per capture, then ``fc``) when the draft model
-is built, and registers it as ``compile_pass.draft_registry`` draft ``"vllm-draft"``. Then:
+is built, and registers it as its engine's draft (``compile_pass.draft_registry`` name
+``"vllm-draft"``, another engine's in the same process ``"vllm-draft-2"``, ...). An engine
+is known by its ``SpeculativeConfig`` (``engine_key``), the object the target's and the
+draft's ``VllmConfig`` share: the draft's from the ``vllm_config`` it is built with, the
+target's from the config vLLM sets around its first compile. A target of no known engine
+gets the one registered draft, and stays packed (with the reason) while several live. Then:
 
 - compiled targets: the capture rewrite before vLLM's split (``rewrite_graph(...,
-  project_outputs="vllm-draft")``) makes the graph return the projected ``[T, H_draft]`` in
+  project_outputs=<its engine's draft>)``) makes the graph return the projected ``[T, H_draft]`` in
   the captures' first place and ``[T, 0]`` stand-ins at the others; each capture is
   projected into it where it is made (``compile_pass::project_registered_``), in whichever
   piece that is. FULL CUDA graphs then keep one ``[max_tokens, H_draft]`` static buffer
@@ -39,6 +44,7 @@ import logging
 import os
 import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -50,27 +56,56 @@ from compile_pass.integrations.seams import (Patch, Seam, SeamAbsent, attribute,
 from compile_pass.packer import AuxCaptureError
 from compile_pass.projection import DraftProjection, ProjectingAccumulator
 
-__all__ = ["ENV_PROJECT", "DRAFT_NAME", "enabled_by_env", "projection_of", "register_draft", "draft_name",
-           "accumulator_for", "mark_projection", "is_projection", "is_standin_list", "stage_projection", "clear",
+__all__ = ["ENV_PROJECT", "DRAFT_NAME", "enabled_by_env", "engine_key", "projection_of", "register_draft",
+           "is_registered", "draft_name", "draft_or_why", "accumulator_for", "mark_projection", "is_projection", "is_standin_list", "stage_projection", "clear",
            "PROJECTION_SEAMS"]
 
 logger = logging.getLogger("compile_pass.vllm")
 
 ENV_PROJECT = "COMPILE_PASS_VLLM_PROJECT"
-#: the name compiled graphs use for vLLM's draft (``compile_pass.draft_registry``)
+#: the name compiled graphs use for the first engine's draft (``compile_pass.draft_registry``);
+#: another engine's draft in the same process is ``vllm-draft-2``, ``-3``, ...
 DRAFT_NAME = "vllm-draft"
 
-_OWNER: Optional[weakref.ref] = None
+
+@dataclass
+class _EngineDraft:
+    """One engine's registered draft: its registry name and the draft (weakly: a freed
+    draft's registration goes with it)."""
+
+    name: str
+    draft: "weakref.ref[Any]"
+
+
+#: engine key (``engine_key``) -> its draft; one draft per engine instance
+_ENGINES: Dict[Optional[int], _EngineDraft] = {}
+_NAMES: Dict[Optional[int], str] = {}  # an engine keeps its name for the process's lifetime
 
 
 def enabled_by_env() -> bool:
     return os.environ.get(ENV_PROJECT, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def engine_key(vllm_config: Any = None) -> Optional[int]:
+    """Which engine instance a draft or a target belongs to: the identity of the engine's
+    ``SpeculativeConfig``, the one object the target's ``VllmConfig`` and the draft's (vLLM's
+    ``apply_draft_overrides`` copy) share. ``vllm_config``: the config a draft is built with;
+    default the current one (vLLM sets it around loading and the first compile). None
+    outside an engine."""
+    if vllm_config is None:
+        try:
+            from vllm.config import get_current_vllm_config_or_none
+        except ImportError:  # older vLLM: no "or none" accessor
+            return None
+        vllm_config = get_current_vllm_config_or_none()
+    spec = getattr(vllm_config, "speculative_config", None)
+    return id(spec) if spec is not None else None
+
+
 def projection_of(draft: Any) -> Tuple[Optional[Callable[[int], DraftProjection]], str]:
     """``resolve(K) -> DraftProjection`` for a vLLM Eagle3 / DFlash draft (``draft.model``
-    holds ``fc`` and its norms; read at every call, so weights loaded later are used), or
-    (None, why its layout is not recognised)."""
+    holds ``fc`` and its norms; read at every call, so weights loaded later are used; the
+    draft is held weakly), or (None, why its layout is not recognised)."""
     name = f"{type(draft).__module__}.{type(draft).__qualname__}"
     inner = getattr(draft, "model", None)
     fc = getattr(inner, "fc", None)
@@ -85,62 +120,125 @@ def projection_of(draft: Any) -> Tuple[Optional[Callable[[int], DraftProjection]
     weight, _, why = plain_fc(fc)
     if weight is None:
         return None, f"{name}: {why}"
-    before = inner.input_norm if getattr(inner, "norm_before_fc", False) else None
-    chunks = list(inner.fc_norm) if getattr(inner, "fc_norm", None) is not None else None
-    why = not_rms_norm([before, *(chunks or [])])
+    why = not_rms_norm([_norm_before_fc(inner), *(_fc_norms(inner) or [])])
     if why:
         return None, f"{name}: {why}"
+    held = weakref.ref(inner)
 
     def resolve(num_captures: int) -> DraftProjection:
-        weight, bias, why = plain_fc(inner.fc)
+        model = held()
+        if model is None:
+            raise AuxCaptureError(f"{name} was freed: its engine is gone")
+        weight, bias, why = plain_fc(model.fc)
         if weight is None:
             raise AuxCaptureError(f"{name}: {why}")
-        return DraftProjection.build(num_captures, weight, fc_bias=bias, norm_before_fc=before, fc_norms=chunks)
+        return DraftProjection.build(num_captures, weight, fc_bias=bias, norm_before_fc=_norm_before_fc(model),
+                                     fc_norms=_fc_norms(model))
 
     return resolve, ""
 
 
-def register_draft(draft: Any) -> bool:
-    """Take ``draft``'s input projection; True if taken. One that does not fit is named in a
-    warning and the captures stay packed."""
-    global _OWNER
+def _norm_before_fc(inner: Any) -> Any:
+    return inner.input_norm if getattr(inner, "norm_before_fc", False) else None
+
+
+def _fc_norms(inner: Any) -> Optional[List[Any]]:
+    return list(inner.fc_norm) if getattr(inner, "fc_norm", None) is not None else None
+
+
+def register_draft(draft: Any, vllm_config: Any = None) -> bool:
+    """Take ``draft``'s input projection for its engine (``engine_key(vllm_config)``: the
+    config it is built with, default the current one); True if taken. One that does not fit
+    is named in a warning, its engine's captures stay packed."""
+    key = engine_key(vllm_config)
     resolve, why = projection_of(draft)
     if resolve is None:
-        clear()
+        _drop(key)
         msg = f"compile_pass vLLM plugin: {why}: the draft's input is packed as without {ENV_PROJECT}"
         logger.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
         return False
+    name = _NAMES.setdefault(key, DRAFT_NAME if not _NAMES else f"{DRAFT_NAME}-{len(_NAMES) + 1}")
     owner = f"{type(draft).__module__}.{type(draft).__qualname__}"
-    draft_registry.register(DRAFT_NAME, owner, resolve)
-    _OWNER = weakref.ref(draft)
-    weight = _fc_weight()
-    logger.info("compile_pass vLLM plugin: draft %s registered: each capture projected into [T, %s]",
-                owner, weight.shape[0] if weight is not None else "?")
+    draft_registry.register(name, owner, resolve)
+    _ENGINES[key] = _EngineDraft(name, weakref.ref(draft, lambda _ref, key=key: _forget(key, _ref)))
+    weight = _fc_weight(draft)
+    logger.info("compile_pass vLLM plugin: draft %s registered as %r: each capture projected into [T, %s]",
+                owner, name, weight.shape[0] if weight is not None else "?")
     return True
 
 
-def _owner() -> Any:
-    return _OWNER() if _OWNER is not None else None
+def _forget(key: Optional[int], ref: Any) -> None:
+    """A freed draft's registration goes (if it is still that draft's)."""
+    entry = _ENGINES.get(key)
+    if entry is not None and entry.draft is ref:
+        _drop(key)
 
 
-def draft_name() -> Optional[str]:
-    """The registered draft's name while one is registered (what the rewrite projects into)."""
-    return DRAFT_NAME if _owner() is not None and DRAFT_NAME in draft_registry.registered_names() else None
+def _drop(key: Optional[int]) -> None:
+    entry = _ENGINES.pop(key, None)
+    if entry is not None:
+        draft_registry.unregister(entry.name)
+
+
+def _live() -> Dict[Optional[int], _EngineDraft]:
+    return {k: e for k, e in _ENGINES.items() if e.draft() is not None}
+
+
+def _entry(vllm_config: Any = None) -> Tuple[Optional[_EngineDraft], str]:
+    """The registered draft of the engine ``vllm_config`` (default: the current one)
+    belongs to, or (None, why none). Outside an engine (no speculative config), the one
+    registered draft if there is exactly one; several and no way to tell: none."""
+    live, key = _live(), engine_key(vllm_config)
+    if key in live:
+        return live[key], ""
+    if not live:
+        return None, "no draft registered"
+    if len(live) == 1:
+        (only_key, only), = live.items()
+        if key is None or only_key is None:
+            return only, ""
+        return None, "the registered draft belongs to another engine"
+    return None, (f"{len(live)} engines' drafts are registered in this process and this target's engine is not "
+                  f"known (no current vLLM config with a speculative config)")
+
+
+def _owner(vllm_config: Any = None) -> Any:
+    entry, _ = _entry(vllm_config)
+    return entry.draft() if entry is not None else None
+
+
+def is_registered(draft: Any) -> bool:
+    """Whether ``draft`` is the registered draft of some engine."""
+    return any(e.draft() is draft for e in _live().values())
+
+
+def draft_name(vllm_config: Any = None) -> Optional[str]:
+    """The registry name of the draft the target of this engine (``vllm_config``, default
+    the current one) projects into, while one is registered (``draft_or_why``)."""
+    return draft_or_why(vllm_config)[0]
+
+
+def draft_or_why(vllm_config: Any = None) -> Tuple[Optional[str], str]:
+    """``(name, "")`` of this engine's registered draft, or ``(None, why none)``."""
+    entry, why = _entry(vllm_config)
+    if entry is None or entry.name not in draft_registry.registered_names():
+        return None, why or "no draft registered"
+    return entry.name, ""
 
 
 def clear() -> None:
-    global _OWNER
-    _OWNER = None
-    draft_registry.unregister(DRAFT_NAME)
+    for key in list(_ENGINES):
+        _drop(key)
 
 
 def accumulator_for(num_captures: int, first: torch.Tensor) -> Tuple[Optional[ProjectingAccumulator], str]:
-    """An eager accumulator for a forward capturing ``num_captures`` tensors like ``first``,
-    or (None, why not)."""
-    if draft_name() is None:
-        return None, "no draft registered"
-    draft = draft_registry.lookup(DRAFT_NAME)
+    """An eager accumulator for a forward capturing ``num_captures`` tensors like ``first``
+    (for the current engine's draft), or (None, why not)."""
+    name, why = draft_or_why()
+    if name is None:
+        return None, why
+    draft = draft_registry.lookup(name)
     signature, why = draft.fits(num_captures, first.shape[-1], first.dtype, first.device)
     if signature is None:
         return None, why
@@ -149,9 +247,9 @@ def accumulator_for(num_captures: int, first: torch.Tensor) -> Tuple[Optional[Pr
                                  fc_norms=p.fc_norms), ""
 
 
-def _fc_weight() -> Optional[torch.Tensor]:
-    """The registered draft's ``fc`` weight now (None: no draft, or no 2-D weight)."""
-    weight = getattr(getattr(getattr(_owner(), "model", None), "fc", None), "weight", None)
+def _fc_weight(draft: Any) -> Optional[torch.Tensor]:
+    """``draft``'s ``fc`` weight now (None: no 2-D weight)."""
+    weight = getattr(getattr(getattr(draft, "model", None), "fc", None), "weight", None)
     return weight if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
@@ -200,8 +298,9 @@ def stage_projection(speculator: Any) -> bool:
     marked ``[rows, H_draft]`` buffer, what the ``cat(..., out=)`` of a projection fills.
     True if replaced. Another speculator's buffer is never touched."""
     staging = getattr(speculator, "_aux_staging", None)
-    weight = _fc_weight()
-    if not isinstance(staging, torch.Tensor) or weight is None or getattr(speculator, "model", None) is not _owner():
+    draft = getattr(speculator, "model", None)
+    weight = _fc_weight(draft)
+    if not isinstance(staging, torch.Tensor) or weight is None or not is_registered(draft):
         return False
     if staging.dim() != 2 or staging.shape[-1] != weight.shape[1]:
         return False
@@ -215,10 +314,11 @@ def stage_projection(speculator: Any) -> bool:
 def _register_after_init(original: Callable) -> Callable:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
+        config = kwargs.get("vllm_config")  # vLLM builds every model with vllm_config=...
         try:
-            register_draft(self)
+            register_draft(self, config)
         except Exception as e:  # noqa: BLE001  never a broken draft: its input stays packed
-            clear()
+            _drop(engine_key(config))
             logger.warning("compile_pass vLLM plugin: reading the draft's input projection failed (%s: %s); "
                            "its input is packed", type(e).__name__, e)
 
@@ -228,7 +328,7 @@ def _register_after_init(original: Callable) -> Callable:
 
 def _combine_passes_projection(original: Callable) -> Callable:
     def combine_hidden_states(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self is _owner() and not args and not kwargs and is_projection(hidden_states):
+        if not args and not kwargs and is_projection(hidden_states) and is_registered(self):
             return hidden_states  # projected as it was captured: fc (and its norms) already applied
         return original(self, hidden_states, *args, **kwargs)
 
