@@ -82,20 +82,28 @@ def _speculator_cat(aux):
     return spec.torch.cat(aux, dim=-1)
 
 
-def _draft(kind, k, hidden, h_draft, dtype, combine, capture_layers):
-    """The draft whose combine reads the captures: vLLM's own ``Eagle3LlamaForCausalLM`` built
-    by its loader from config folders (``real``; registered by its patched ``__init__`` when
-    projecting), or ``models/vllm_style.Eagle3Draft`` laid out as it (``standin``)."""
-    if kind == "real":
-        from models.vllm_drafts import build_eagle3
+def _engine(kind, hidden, h_draft, dtype, combine, capture_layers):
+    """``real``: an engine's configs with vLLM's own ``Eagle3LlamaForCausalLM`` as its draft
+    (``models/vllm_drafts.py``); the target is built under the engine's speculative config, as
+    vLLM builds both, so its compile projects into that engine's draft. ``standin``: None."""
+    if kind != "real":
+        return None
+    from models.vllm_drafts import eagle3_engine
 
-        if not capture_layers:
-            raise SystemExit("--draft real needs the target's capture layers (the vllm_style rows: --no-engine)")
-        draft = build_eagle3(tempfile.mkdtemp(prefix="cp-vllm-draft-"), hidden=hidden, h_draft=h_draft,
-                             layers=max(capture_layers) + 2, capture_layers=capture_layers, combine=combine,
-                             dtype=dtype)
+    if not capture_layers:
+        raise SystemExit("--draft real needs the target's capture layers (the vllm_style rows: --no-engine)")
+    return eagle3_engine(tempfile.mkdtemp(prefix="cp-vllm-draft-"), hidden=hidden, h_draft=h_draft,
+                         layers=max(capture_layers) + 2, capture_layers=capture_layers, combine=combine, dtype=dtype)
+
+
+def _draft(engine, k, hidden, h_draft, dtype, combine):
+    """The draft whose combine reads the captures: the engine's, built by vLLM's loader
+    (registered by its patched ``__init__`` when projecting), or ``models/vllm_style``'s
+    ``Eagle3Draft`` laid out as vLLM's (registered here)."""
+    if engine is not None:
+        draft = engine.build_draft()
         if plugin._projecting():
-            assert vllm_projection.draft_name() is not None, "the real draft did not register"
+            assert vllm_projection.draft_name(engine.config) is not None, "the real draft did not register"
         return draft
     draft = H.Eagle3Draft(k, hidden, h_draft, combine, dtype=dtype).requires_grad_(False)
     if plugin._projecting():
@@ -121,11 +129,14 @@ def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine, draft_
         _set(setting)
         t = time.time()
         peaks, outs = {}, {}
+        engine = _engine(draft_kind, hidden, h_draft, dtype, combine, capture_layers)
+        spec = engine.speculative_config if engine is not None else None
+        draft = None
         for caps in (False, True):
             cls, kwargs = make(caps)
-            model, run, _ = H.build(backend, cls=cls, mode=mode, **kwargs)
+            model, run, _ = H.build(backend, cls=cls, mode=mode, speculative_config=spec, **kwargs)
             model.load_state_dict(state, strict=False)
-            draft = _draft(draft_kind, k, hidden, h_draft, dtype, combine, capture_layers)
+            draft = draft or _draft(engine, k, hidden, h_draft, dtype, combine)  # after the target, as load_model
             run(*warm)
 
             @torch.no_grad()

