@@ -50,6 +50,8 @@ def real_draft(engine, registers: bool = True) -> nn.Module:
     draft = engine.build_draft()
     assert type(draft).__name__ == "Eagle3LlamaForCausalLM"
     assert vllm_projection.is_registered(draft) == registers
+    # vLLM's CPU build keeps a linear's weight plain when marked so (its repack would empty it)
+    assert getattr(draft.model.fc, "_cpu_skip_gemm_dispatch", False) == registers
     if registers:
         assert vllm_projection._owner(engine.config) is draft
     return draft
