@@ -69,6 +69,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         target, draft = write_configs(root)
         llm = LLM(model=target, skip_tokenizer_init=True, load_format="dummy", dtype="float32", disable_log_stats=False,
+                  enable_prefix_caching=False,  # the measured generate computes its prefill again
                   max_model_len=args.max_model_len, max_num_seqs=2, seed=0, enforce_eager=args.enforce_eager,
                   compilation_config={"mode": args.mode} if args.mode else None,
                   speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 2})
