@@ -254,15 +254,17 @@ def chunk_readers(x: fx.Node, widths: Sequence[int]) -> Tuple[Optional[Tuple[fx.
     if readers and all(op_name(r) in _RESHAPES for r in readers):
         return _unbound_rows(x, readers, widths)
     if len(readers) == len(widths):
-        bounds = {}
+        bounds, whole = {}, []
         for r in readers:
+            r, passed = _past_whole_slices(r)
+            whole += passed
             start, v = _last_dim_start(r, ndim, value.shape[-1] if value is not None else None), tensor_value(r)
             if start is None or v is None:
                 return None, (), f"{r.name} ({op_name(r) or r.op}) is not a last-dim slice of {x.name}"
             bounds[start] = (r, v.shape[-1])
         if sorted(bounds) != starts or any(bounds[s][1] != w for s, w in zip(starts, widths)):
             return None, (), "the slices are not the captures' widths"
-        return tuple(bounds[s][0] for s in starts), (), ""
+        return tuple(bounds[s][0] for s in starts), tuple(whole), ""
     names = ", ".join(f"{r.name} ({op_name(r) or r.op})" for r in readers)
     return None, (), f"{x.name} is read by {names}, not split into the captures' widths {list(widths)}"
 
@@ -288,15 +290,39 @@ def _unbound_rows(x: fx.Node, reshapes: Sequence[fx.Node], widths: Sequence[int]
         if any(op_name(n) != "getitem" for n in items) or [n.args[1] for n in items] != list(range(k)):
             return None, (), f"{unbind.name}'s rows are not read one each"
         return tuple(items), (*reshapes, unbind), ""
-    rows = {}
+    rows, whole = {}, []
     for r in readers:
+        r, passed = _past_whole_slices(r)
+        whole += passed
         row = _row_index(r, ndim)
         if row is None:
             return None, (), f"{r.name} ({op_name(r) or r.op}) is not one capture's row of {r.args[0].name}"
         rows[row % k] = r
     if sorted(rows) != list(range(k)) or len(readers) != k:
         return None, (), f"the [..., {k}, {widths[0]}] view's {k} rows are not read one each"
-    return tuple(rows[i] for i in range(k)), tuple(reshapes), ""
+    return tuple(rows[i] for i in range(k)), (*reshapes, *whole), ""
+
+
+def _past_whole_slices(node: fx.Node) -> Tuple[fx.Node, list]:
+    """``node``'s one reader, and on, while ``node`` is a slice taking all of a dim (``p[:, a:b]``
+    in aten IR is ``slice(slice(p, 0, 0, max), -1, a, b)``): the first node that is not, and
+    the whole slices passed."""
+    passed = []
+    while op_name(node) == "slice" and len(node.users) == 1 and _takes_all(node):
+        passed.append(node)
+        node = next(iter(node.users))
+    return node, passed
+
+
+def _takes_all(node: fx.Node) -> bool:
+    """Whether slice ``node`` keeps every element of its dim."""
+    start, end, step = _arg(node, 2, "start"), _arg(node, 3, "end"), _arg(node, 4, "step", 1)
+    value, source = tensor_value(node), tensor_value(node.args[0])
+    if step != 1 or start not in (None, 0) or value is None or source is None:
+        return False
+    dim = _arg(node, 1, "dim", 0)
+    size = source.shape[dim] if isinstance(dim, int) and -source.dim() <= dim < source.dim() else None
+    return end is None or (isinstance(end, int) and (end >= 2 ** 62 or (isinstance(size, int) and end >= size)))
 
 
 def _row_index(node: fx.Node, ndim: int) -> Optional[int]:

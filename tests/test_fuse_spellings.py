@@ -72,11 +72,11 @@ class Target(nn.Module):
         return acc.finalize()
 
 
-def _compiled(model, inner, fuse, x):
+def _compiled(model, inner, fuse, x, dynamic=None):
     torch._dynamo.reset()
     backend = aux_capture_backend(inner, fuse_projection=fuse)
     with torch.no_grad():
-        out = torch.compile(model, backend=backend)(x)
+        out = torch.compile(model, backend=backend, dynamic=dynamic)(x)
     groups = [g for r in backend.results for g in r.groups if g.k == K]  # the captures' first (fc_norms: the
     assert groups                                                         # normed chunks' concat after it)
     return out, groups[0]
@@ -103,6 +103,20 @@ def test_every_spelling_is_fused_bitwise_to_the_eager_accumulator(inner, combine
     (plain_hidden, _), _ = _compiled(model, inner, False, x)
     assert torch.equal(hidden, plain_hidden)
     assert torch.equal(hidden, ref_hidden)  # eager and aot_eager run ATen's kernels, as the module
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_every_split_is_fused_with_a_symbolic_token_count(split):
+    """aten IR with a symbolic token count keeps what a static one drops: ``p[:, a:b]`` and
+    ``view(-1, K, H)[:, i]`` are ``slice(p, 0, 0, max)`` (all of dim 0) before the last-dim
+    slice or the row ``select`` (the fuzzer's seeds 580 and 40 were packed for it)."""
+    model = Target("fc_norms", split, "F.rms_norm", "nn.Linear").eval()
+    x = torch.randn(96, H)
+    with torch.no_grad():
+        eager_projected = model.eager_projection(x)
+    (hidden, draft), group = _compiled(model, "aot_eager", True, x, dynamic=True)
+    assert group.fused, group.projection or group.reason
+    assert torch.equal(draft, eager_projected)
 
 
 @pytest.mark.parametrize("inner", ["eager", "aot_eager"])
