@@ -66,8 +66,9 @@ def _flex_attention_backend() -> Iterator[None]:
         attention.get_attn_backend = original
 
 
-def _init_parallel_state(config: Any, root: str) -> None:
-    """vLLM's single-rank parallel groups (gloo), once per process."""
+def _init_parallel_state(root: str) -> None:
+    """vLLM's single-rank parallel groups (gloo), once per process (under the engine's config:
+    vLLM reads it while making them)."""
     from vllm.distributed import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
@@ -100,7 +101,7 @@ class Eagle3Engine:
         draft_config = speculative.apply_draft_overrides(self.config) \
             if hasattr(speculative, "apply_draft_overrides") else self.config
         with set_current_vllm_config(self.config):
-            _init_parallel_state(self.config, self.root)
+            _init_parallel_state(self.root)
         with set_current_vllm_config(draft_config), _flex_attention_backend():
             model = get_model(vllm_config=draft_config, model_config=speculative.draft_model_config).eval()
         with torch.no_grad():
