@@ -319,8 +319,9 @@ def test_laguna_dflash_layout_is_named_not_taken(projecting):
 
 def test_a_draft_whose_fc_weight_is_gone_leaves_the_target_packed_and_says_so(projecting):
     """vLLM's CPU build repacks ``fc`` for oneDNN after loading and leaves an empty weight
-    (``dispatch_cpu_unquantized_gemm(remove_weight=True)``): the draft registered at
-    construction no longer has columns to split. The compiled target stays packed (the
+    (``dispatch_cpu_unquantized_gemm(remove_weight=True)``) where its linear method does not
+    read the plugin's ``_cpu_skip_gemm_dispatch`` mark: the draft registered at construction
+    no longer has columns to split. The compiled target stays packed (the
     speculator's concat a view of the packed captures) and one warning names why."""
     draft = Eagle3Draft()
     assert vllm_projection.register_draft(draft)
