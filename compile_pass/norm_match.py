@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from compile_pass.dataflow import op_name, tensor_value
+from compile_pass.split import split_op_name
 
 __all__ = ["RMSNormMatch", "match_rms_norm", "chunk_readers", "opaque_reader"]
 
@@ -193,13 +194,9 @@ def opaque_reader(x: fx.Node) -> str:
         if isinstance(target, torch._ops.HigherOrderOperator):
             inner = reader.args[0] if reader.args else None
             name = inner._schema.name if isinstance(inner, torch._ops.OpOverload) else target.name()
-        elif isinstance(target, torch._ops.OpOverload):
-            name = target._schema.name
-        elif isinstance(target, torch._ops.OpOverloadPacket):
-            name = target._qualified_op_name
         else:
-            continue
-        if name.split("::")[0] not in ("aten", "prims"):
+            name = split_op_name(reader)
+        if name is not None and name.split("::")[0] not in ("aten", "prims"):
             return (f"{reader.name} reads {x.name} through {name}, an opaque op (a fused norm kernel's "
                     f"arithmetic is not in the graph): not matched as a norm")
     return ""
@@ -241,8 +238,8 @@ def chunk_readers(x: fx.Node, widths: Sequence[int]) -> Tuple[Optional[Tuple[fx.
     starts = [sum(widths[:i]) for i in range(len(widths))]
     if len(readers) == 1 and op_name(readers[0]) in ("split", "split_with_sizes", "chunk", "tensor_split"):
         split = readers[0]
-        items = sorted(split.users, key=lambda n: n.args[1] if op_name(n) == "getitem" else -1)
-        if any(op_name(n) != "getitem" for n in items) or [n.args[1] for n in items] != list(range(len(widths))):
+        items = _items_in_order(split, len(widths))
+        if items is None:
             return None, (), f"{split.name}'s pieces are not read one each"
         dim = _arg(split, 2, "dim", 0)
         if not _is_last_dim(dim, ndim):
@@ -286,8 +283,8 @@ def _unbound_rows(x: fx.Node, reshapes: Sequence[fx.Node], widths: Sequence[int]
         unbind = readers[0]
         if _arg(unbind, 1, "dim", 0) not in (-2, ndim - 2):
             return None, (), f"{unbind.name} (unbind) cuts dim {_arg(unbind, 1, 'dim', 0)}, not the captures' ({ndim - 2} or -2)"
-        items = sorted(unbind.users, key=lambda n: n.args[1] if op_name(n) == "getitem" else -1)
-        if any(op_name(n) != "getitem" for n in items) or [n.args[1] for n in items] != list(range(k)):
+        items = _items_in_order(unbind, k)
+        if items is None:
             return None, (), f"{unbind.name}'s rows are not read one each"
         return tuple(items), (*reshapes, unbind), ""
     rows, whole = {}, []
@@ -301,6 +298,15 @@ def _unbound_rows(x: fx.Node, reshapes: Sequence[fx.Node], widths: Sequence[int]
     if sorted(rows) != list(range(k)) or len(readers) != k:
         return None, (), f"the [..., {k}, {widths[0]}] view's {k} rows are not read one each"
     return tuple(rows[i] for i in range(k)), (*reshapes, *whole), ""
+
+
+def _items_in_order(node: fx.Node, k: int) -> Optional[list]:
+    """The ``getitem``s reading items ``0..k-1`` of ``node`` (a split's or unbind's tuple), in
+    order, if those are all its readers; else None."""
+    items = sorted(node.users, key=lambda n: n.args[1] if op_name(n) == "getitem" else -1)
+    if any(op_name(n) != "getitem" for n in items) or [n.args[1] for n in items] != list(range(k)):
+        return None
+    return items
 
 
 def _past_whole_slices(node: fx.Node) -> Tuple[fx.Node, list]:
@@ -334,7 +340,7 @@ def _row_index(node: fx.Node, ndim: int) -> Optional[int]:
         return index if dim in (-2, ndim - 2) and isinstance(index, int) else None
     if name == "getitem" and isinstance(node.args[1], tuple):
         whole = slice(None, None, None)
-        parts = [p for p in node.args[1]]
+        parts = list(node.args[1])
         if parts and parts[-1] == whole:
             parts = parts[:-1]
         if not parts or not isinstance(parts[-1], int) or isinstance(parts[-1], bool):
