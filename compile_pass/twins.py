@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TwinMerge", "capture_twins", "capture_values", "escaping", "merge_capture_twins", "twin_of"]
 
-_WRITE = torch.ops.compile_pass.write_slice_.default
 #: torch-IR spellings of pure arithmetic (Dynamo graphs): deterministic, no mutation
 _PURE_OPERATORS = {operator.add, operator.sub, operator.mul, operator.truediv, operator.neg,
                    operator.matmul, operator.getitem}
@@ -123,24 +122,50 @@ def _may_have_twin(node: fx.Node) -> bool:
                for other in node.all_input_nodes[0].users)
 
 
+#: ops that read a captured value whole -> (the argument holding it, the argument that, if
+#: given, makes the op form the capture itself from two inputs: then no one value is read)
+_CAPTURE_READERS = {
+    torch.ops.compile_pass.write_slice_.default: ("src", None),
+    torch.ops.compile_pass.project_into_.default: ("src", None),
+    torch.ops.compile_pass.project_normed_into_.default: ("a", "b"),
+    torch.ops.compile_pass.project_scaled_into_.default: ("a", "b"),
+    torch.ops.compile_pass.sum_squares_into_.default: ("a", "b"),
+}
+
+
+def _bound(op: "torch._ops.OpOverload", node: fx.Node, functional: bool) -> Dict[str, Any]:
+    """``node``'s arguments of ``op`` by name (``functional``: a functionalized call, whose
+    arguments are all keywords)."""
+    if functional:
+        return dict(node.kwargs)
+    names = [a.name for a in op._schema.arguments]
+    return {**dict(zip(names, node.args)), **node.kwargs}
+
+
 def _write_source(node: fx.Node) -> Optional[fx.Node]:
-    """The captured value a ``write_slice_`` call (plain or functionalized) copies."""
+    """The captured value a rewrite op (plain or functionalized) reads whole: what a
+    ``write_slice_`` copies, or what a projection op projects when it is given the capture
+    rather than the two inputs it sums."""
     if node.op != "call_function":
         return None
-    if node.target is _WRITE:
-        src = node.args[1] if len(node.args) > 1 else node.kwargs.get("src")
-    elif isinstance(node.target, torch._ops.HigherOrderOperator) and node.args and node.args[0] is _WRITE:
-        src = node.kwargs.get("src")
-    else:
+    functional = isinstance(node.target, torch._ops.HigherOrderOperator) and bool(node.args)
+    op = node.args[0] if functional else node.target
+    if op not in _CAPTURE_READERS:
         return None
+    value_arg, second_arg = _CAPTURE_READERS[op]
+    args = _bound(op, node, functional)
+    if second_arg is not None and args.get(second_arg) is not None:
+        return None
+    src = args.get(value_arg)
     return src if isinstance(src, fx.Node) else None
 
 
 def capture_values(graph: fx.Graph, table: Optional[NodeTable] = None,
                    groups: Optional[Sequence["CaptureGroup"]] = None) -> List[fx.Node]:
-    """The values a graph captures, in graph order: what ``write_slice_`` calls copy
-    (rewritten groups, packers), the inputs of cross-layer capture concats and the captures
-    of cross-layer output groups (``find``; ``groups``: those groups if already found)."""
+    """The values a graph captures, in graph order: what the rewrite's ops read whole
+    (``write_slice_`` copies of rewritten groups and packers, ``project_into_`` and the
+    other projections), the inputs of cross-layer capture concats and the captures of
+    cross-layer output groups (``find``; ``groups``: those groups if already found)."""
     from compile_pass.find import find_capture_groups, find_output_groups
     from compile_pass.groups import Decision
 

@@ -63,3 +63,15 @@ def test_an_fc_no_narrower_than_the_concat_is_packed_with_the_reason():
     r = run_case(spec, "eager")
     assert not r.crashed and not r.wrong and not r.above_list, r.crashed or r.wrong
     assert not r.fused and "no narrower than the concat" in r.reason, r.reason
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("seed", [32, 183])
+def test_fused_k2_toy_widths_stay_below_the_list_path_under_inductor(seed):
+    """Found by the 300-seed Inductor run (seeds 32, 89, 183, 185: K=2, H 16-48): fused, the peak
+    was above the list path by one capture. Each ``hidden + residual`` capture projected by
+    ``project_into_`` was not merged with the residual it equals, so Inductor held both; the
+    cost model had priced them merged."""
+    r = run_case(random_spec(seed), "inductor")
+    assert r.fused and not r.crashed and not r.wrong, (r.reason, r.crashed, r.wrong)
+    assert not r.above_list

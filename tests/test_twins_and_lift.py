@@ -79,6 +79,42 @@ def test_twins_are_merged_and_values_stay_bitwise():
     torch.testing.assert_close(fx.Interpreter(gm).run(*args), expected, rtol=0, atol=0)
 
 
+def _projected_layers(x: torch.Tensor, fc: torch.Tensor, *ws: torch.Tensor) -> List[torch.Tensor]:
+    """``_sglang_layers`` with its captures projected, as ``fuse_projection`` rewrites them:
+    ``project_into_`` reads each whole capture, ``project_scaled_into_`` forms the last one
+    from its two inputs."""
+    acc, residual, h = x.new_empty(x.shape[0], fc.shape[0]), x, x
+    for i, w in enumerate(ws):
+        if i == 1:
+            torch.ops.compile_pass.project_into_(acc, h + residual, fc, 0, True)
+        elif i == 2:
+            torch.ops.compile_pass.project_scaled_into_(acc, h, residual, "add", None, fc, x.shape[1], False)
+        if i:
+            residual = h + residual
+        h = torch.relu(residual @ w)
+    return [h, acc]
+
+
+def test_a_projected_capture_is_merged_with_its_twin():
+    """A capture ``project_into_`` reads whole is a capture value, so Inductor's pre pass
+    merges it with the residual it equals (else Inductor holds both: one capture-sized
+    buffer above the list path, found by tools/fuzz_combine under Inductor); a capture the
+    op forms from ``h`` and ``residual`` itself has no value to merge."""
+    x, ws = _inputs()
+    fc = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    gm = _aot_graph(_projected_layers, x, fc, *ws)
+    args = [x, fc, *ws]
+    expected = fx.Interpreter(gm).run(*args)
+    assert all(torch.equal(a, b) for a, b in zip(expected, _projected_layers(*args)))
+    table = NodeTable(gm.graph)
+    captured = capture_values(gm.graph, table)
+    assert [n.target for n in captured] == [_ADD]  # project_into_'s; not project_scaled_into_'s pair
+    merged = merge_capture_twins(gm.graph)
+    gm.recompile()
+    assert len(merged) == 1 and merged[0].op.startswith("add")
+    torch.testing.assert_close(fx.Interpreter(gm).run(*args), expected, rtol=0, atol=0)
+
+
 def test_no_merge_across_a_mutation_of_an_argument():
     graph = fx.Graph()
     a, b = graph.placeholder("a"), graph.placeholder("b")
