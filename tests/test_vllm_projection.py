@@ -126,10 +126,15 @@ def test_compiled_target_returns_the_projected_draft_input(projecting, backend, 
         assert drafted.data_ptr() == aux[0].data_ptr()  # no copy, no second fc
 
 
-def test_projected_peak_is_below_the_packed_buffer(projecting):
-    """Overhead above the build without captures, in packed bytes, eager pieces, T=2048:
-    the projected target stays below H_draft/(K*H) plus the sum of squares' column (0.15 +
-    a little), where the packer ends at 1.00."""
+@pytest.mark.parametrize("backend, mode", [
+    ("eager", "VLLM_COMPILE"),
+    pytest.param("inductor", "DYNAMO_TRACE_ONCE", marks=pytest.mark.inductor)])
+def test_projected_peak_is_below_the_packed_buffer(projecting, backend, mode):
+    """Overhead above the build without captures, in packed bytes, T=2048: the projected
+    target is at the floor, H_draft/(K*H) plus the sum of squares' column (0.151), where the
+    packer ends at 1.00; in eager pieces and in Inductor's one graph (there, with Inductor's
+    buffer reuse on, the accumulator raised Inductor's peak estimate and it held a `[T, H]`
+    buffer across an attention call: 0.200 here, 0.500 at K=3 in the benchmark)."""
     engine = real_engine("norm_before_fc")
     draft = real_draft(engine)
     ref = H.build("none", capture_at=CAPTURES)[0]
@@ -137,7 +142,7 @@ def test_projected_peak_is_below_the_packed_buffer(projecting):
     peaks = {}
     spec = __import__("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", fromlist=["x"])
     for caps in ((), CAPTURES):
-        model, run, _ = H.build("eager", capture_at=caps, speculative_config=engine.speculative_config)
+        model, run, _ = H.build(backend, mode=mode, capture_at=caps, speculative_config=engine.speculative_config)
         model.load_state_dict(ref.state_dict())
         run(torch.randn(7, HIDDEN))
 
@@ -146,8 +151,11 @@ def test_projected_peak_is_below_the_packed_buffer(projecting):
             return h, (draft.combine_hidden_states(spec.torch.cat(aux, dim=-1)) if aux else None)
 
         peaks[bool(caps)] = measure_peak(full, x).bytes
+        del model, run, full
+        torch._dynamo.reset()
     overhead = (peaks[True] - peaks[False]) / (2048 * K * HIDDEN * 4)
-    assert overhead <= H_DRAFT / (K * HIDDEN) + 0.05, overhead
+    floor = (H_DRAFT + 1) / (K * HIDDEN)  # the accumulator and the sum of squares' fp32 column
+    assert overhead <= floor + 0.01, (overhead, floor)
 
 
 def test_uncompiled_target_projects_each_capture(projecting):
