@@ -146,7 +146,7 @@ def test_projected_peak_is_below_the_packed_buffer(projecting, backend, mode):
         model.load_state_dict(ref.state_dict())
         run(torch.randn(7, HIDDEN))
 
-        def full(x):
+        def full(x, run=run):
             h, aux = run(x)
             return h, (draft.combine_hidden_states(spec.torch.cat(aux, dim=-1)) if aux else None)
 
