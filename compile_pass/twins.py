@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence,
 import torch
 import torch.fx as fx
 
+import compile_pass.draft_registry  # noqa: F401  (registers compile_pass::project_registered_)
 import compile_pass.ops  # noqa: F401  (registers compile_pass::write_slice_)
 from compile_pass.dataflow import NodeTable, gc_paused, source_line
 
@@ -130,6 +131,7 @@ _CAPTURE_READERS = {
     torch.ops.compile_pass.project_normed_into_.default: ("a", "b"),
     torch.ops.compile_pass.project_scaled_into_.default: ("a", "b"),
     torch.ops.compile_pass.sum_squares_into_.default: ("a", "b"),
+    torch.ops.compile_pass.project_registered_.default: ("a", "b"),
 }
 
 

@@ -115,6 +115,25 @@ def test_a_projected_capture_is_merged_with_its_twin():
     torch.testing.assert_close(fx.Interpreter(gm).run(*args), expected, rtol=0, atol=0)
 
 
+def test_a_capture_projected_into_a_registered_draft_is_merged_with_its_twin():
+    """``project_registered_`` (``project_outputs``: the engines' one graph) given the whole
+    capture reads a capture value too; traced with fake tensors, no draft registered."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def layers(x, w0, w1):
+        acc, residual, h = x.new_empty(x.shape[0], 4), x, torch.relu(x @ w0)
+        torch.ops.compile_pass.project_registered_(acc, h + residual, None, "", "d", "sig", 0, 1, True)
+        residual = h + residual
+        return torch.relu(residual @ w1), acc
+
+    x, ws = _inputs(2)
+    gm = make_fx(layers, tracing_mode="fake")(x, *ws)
+    assert [n.target for n in capture_values(gm.graph)] == [_ADD]
+    merged = merge_capture_twins(gm.graph)
+    assert len(merged) == 1 and merged[0].op.startswith("add")
+    assert sum(n.target is _ADD for n in gm.graph.nodes) == 1
+
+
 def test_no_merge_across_a_mutation_of_an_argument():
     graph = fx.Graph()
     a, b = graph.placeholder("a"), graph.placeholder("b")
