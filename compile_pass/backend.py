@@ -385,27 +385,24 @@ class AuxCaptureBackend:
         )(gm, example_inputs)
 
 
-#: the ops that project captures into a draft's accumulator (``fuse_projection``,
-#: ``project_outputs``)
-_ACCUMULATING_OPS = ("project_into_", "project_binary_into_", "project_normed_into_", "project_scaled_into_",
-                     "sum_squares_into_", "project_registered_")
-
-
 def holds_accumulator(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` projects captures into a draft's accumulator. Such a graph is compiled
-    with Inductor's ``allow_buffer_reuse`` off (unless the user set it): Inductor hands a
-    freed buffer to a later allocation of its size only where its own peak estimate has room
-    over the range between, and the accumulator, live from the first capture to the end,
-    raises that estimate; the room it then finds is often inside an opaque kernel whose
-    temporaries the estimate never sees (attention), where the real peak is. Measured on
-    vLLM's one graph (benchmarks/vllm_projection.py, docs/vllm.md): a `[T, H]` buffer held
-    across each attention call, 0.500 of the packed bytes where the floor is 0.250. Without
-    reuse every buffer is freed at its last use, so no value lives longer than in the graph
-    without captures."""
-    import compile_pass.draft_registry  # noqa: F401  (registers project_registered_)
+    """Whether ``gm`` projects captures into a draft's accumulator: one of our ops mutates one
+    (``ops.MUTATED_ARG``; ``fuse_projection`` and ``project_outputs`` put them in).
 
-    ops = {getattr(torch.ops.compile_pass, name).default for name in _ACCUMULATING_OPS}
-    return any(node.op == "call_function" and node.target in ops for node in gm.graph.nodes)
+    Such a graph is compiled with Inductor's ``allow_buffer_reuse`` off (unless the user set
+    it). Inductor hands a freed buffer to a later allocation of its size only where its own
+    peak estimate has room over the range between; the accumulator, live from the first
+    capture to the end, raises that estimate, and the room it then finds is often inside an
+    opaque kernel whose temporaries the estimate never sees (attention), where the real peak
+    is. Measured on vLLM's one graph (benchmarks/vllm_projection.py, docs/vllm.md): a
+    ``[T, H]`` buffer held across attention calls, 0.500 of the packed bytes where the floor
+    is 0.250. Without reuse every buffer is freed at its last use, so no value lives longer
+    than in the graph without captures."""
+    import compile_pass.draft_registry  # noqa: F401  (declares project_registered_'s mutation)
+    from compile_pass.ops import MUTATED_ARG
+
+    return any(node.op == "call_function" and MUTATED_ARG.get(node.target) in ("acc", "sumsq")
+               for node in gm.graph.nodes)
 
 
 _post_grad_off_warned: List[bool] = []
