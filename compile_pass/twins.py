@@ -152,8 +152,8 @@ def _write_source(node: fx.Node) -> Optional[fx.Node]:
         return None
     functional = isinstance(node.target, torch._ops.HigherOrderOperator) and bool(node.args)
     op = node.args[0] if functional else node.target
-    if op not in _CAPTURE_READERS:
-        return None
+    if not isinstance(op, torch._ops.OpOverload) or op not in _CAPTURE_READERS:
+        return None  # (a higher-order op's first argument may be a list, not hashable)
     value_arg, second_arg = _CAPTURE_READERS[op]
     args = _bound(op, node, functional)
     if second_arg is not None and args.get(second_arg) is not None:

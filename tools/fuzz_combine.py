@@ -298,12 +298,18 @@ def run_case(spec: CombineSpec, inner: str) -> CaseResult:
         model = CombineDecoder(spec).eval()
         g = torch.Generator().manual_seed(spec.seed + 1)
         inputs = [torch.randn(t, spec.hidden, generator=g).to(spec.torch_dtype) for t in spec.tokens]
-        outs, peaks = {}, {}
-        for fuse in (False, True):
+
+        def build_and_measure(fuse: bool):
+            """The build with or without the option: its backend, its outputs over every
+            input (one compile per token count), its peak on the first input."""
             compiled, backend = _compile(model, inner, fuse, spec.dynamic)
             with torch.no_grad():
-                outs[fuse] = [compiled(x) for x in inputs]
-                peaks[fuse] = measure_peak(compiled, inputs[0]).bytes
+                outputs = [compiled(x) for x in inputs]
+                return backend, outputs, measure_peak(compiled, inputs[0]).bytes
+
+        outs, peaks = {}, {}
+        for fuse in (False, True):
+            backend, outs[fuse], peaks[fuse] = build_and_measure(fuse)
             if fuse:
                 groups = [g_ for r in backend.results for g_ in r.groups if g_.k == spec.k]
                 result.fused = any(g_.fused for g_ in groups)
@@ -328,11 +334,7 @@ def run_case(spec: CombineSpec, inner: str) -> CaseResult:
             # the first build a process measures can come out a few bytes below the same
             # build measured again (seen: the option off, 105984 then 105992 bytes): the list
             # path is measured once more, after the fused build, before a run is called above
-            compiled, _ = _compile(model, inner, False, spec.dynamic)
-            with torch.no_grad():
-                for x in inputs:
-                    compiled(x)
-                peaks[False] = max(peaks[False], measure_peak(compiled, inputs[0]).bytes)
+            peaks[False] = max(peaks[False], build_and_measure(False)[2])
         result.above_list = peaks[True] > peaks[False]
         result.hazard_fused = spec.hazard is not None and result.fused
     except Exception as e:  # noqa: BLE001 - a crash is a finding, recorded with its traceback
