@@ -392,18 +392,27 @@ def fuse_into_accumulator(graph: fx.Graph, buffer: fx.Node, fc: FcReader) -> fx.
             term.meta[key] = None
         graph.erase_node(write)
     first_reader = fc.out
+    out_value, acc_value = tensor_value(fc.out), tensor_value(acc)
+    # ``x @ W.T + b`` with a bias of another dtype is computed in the promoted dtype (the
+    # product rounded to the input's dtype first): the bias is then added out of place, in
+    # that dtype, not into the accumulator
+    promoted = fc.bias is not None and out_value is not None and acc_value is not None \
+        and out_value.dtype != acc_value.dtype
     with graph.inserting_before(first_reader):
         if fc.norm is not None:
             graph.call_function(_RMS_SCALE, (acc, sumsq, width, *_eps_args(fc.norm)), {}).meta[key] = None
-        if fc.bias is not None:
+        if fc.bias is not None and not promoted:
             graph.call_function(_BIAS, (acc, fc.bias), {}).meta[key] = None
-    flat_value = tensor_value(fc.out)
-    if fc.flat is not None and flat_value is not None and flat_value.dim() != tensor_value(acc).dim():
+    if fc.flat is not None and out_value is not None and out_value.dim() != acc_value.dim():
         with graph.inserting_before(first_reader):
             result = graph.call_function(_aten.view.default, (acc, [-1, out_features]), {})
-            result.meta[key] = flat_value
+            result.meta[key] = acc_value.view(-1, out_features) if promoted else out_value
     else:
         result = acc
+    if promoted:
+        with graph.inserting_before(first_reader):
+            result = graph.call_function(_aten.add.Tensor, (result, fc.bias), {})
+            result.meta[key] = out_value
     fc.out.replace_all_uses_with(result)
     graph.erase_node(fc.out)
     for node in (fc.product, fc.flat, fc.transpose, *reversed(fc.between)):

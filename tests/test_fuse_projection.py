@@ -332,3 +332,41 @@ def test_a_graph_holding_an_accumulator_compiles_without_buffer_reuse(monkeypatc
     with torch.no_grad():
         compiled(torch.randn(64, H))
     assert seen and seen[0] == (fuse, expected), seen  # the backend's call (compile_fx then calls itself)
+
+
+class _PromotedBias(nn.Module):
+    """A bf16 target whose draft input is ``cat @ W.T + b`` with an fp32 bias: the sum is
+    computed in fp32 (the product rounded to bf16 first)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(H, H).to(torch.bfloat16) for _ in range(LAYERS))
+        self.weight = nn.Parameter(torch.randn(HD, len(CAPTURE) * H, dtype=torch.bfloat16) / 8)
+        self.bias = nn.Parameter(torch.randn(HD) * 100)  # fp32, large: its fp32 sum is not a bf16 value
+
+    def forward(self, x):
+        hidden, residual, aux = x, torch.zeros_like(x), []
+        for i, layer in enumerate(self.layers):
+            if i in CAPTURE:
+                aux.append(hidden + residual)
+            residual = hidden + residual
+            hidden = torch.tanh(layer(residual))
+        return hidden, torch.cat(aux, dim=-1) @ self.weight.t() + self.bias
+
+
+@pytest.mark.parametrize("inner", ["eager", "aot_eager"])
+def test_a_bias_of_another_dtype_keeps_the_promoted_output(inner):
+    """``x @ W.T + b`` with a bf16 product and an fp32 bias: the fused draft input is fp32,
+    as the list path's, within the projection's rounding of the product (a bias added into
+    the bf16 accumulator would round it to bf16: off by up to 0.5 here, and bf16)."""
+    model = _PromotedBias().eval()
+    x = torch.randn(32, H, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = model(x)[1]
+        compiled, backend = _compile(model, inner, True)
+        got = compiled(x)[1]
+    assert any(g.fused for g in _groups(backend)), [g.projection for g in _groups(backend)]
+    assert got.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.26)  # bf16 product rounding, |x@W.T| < 64
+    assert (got - model.bias).abs().max() < 64 and not torch.equal(got, got.to(torch.bfloat16).float())

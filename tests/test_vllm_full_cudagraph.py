@@ -182,12 +182,13 @@ def _check_projected(device: str) -> None:
 
     cuda_graph, n = device == "cuda", 100
     draft = _Draft(device)
-    assert vllm_projection.register_draft(draft)
+    name = vllm_projection.register_draft(draft)  # outside any engine: named by its registration
+    assert name
     try:
         model = _Model().to(device)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=aux_capture_backend(
-            "eager", project_outputs=vllm_projection.draft_name()), dynamic=False)
+            "eager", project_outputs=name), dynamic=False)
         x = torch.zeros(MAX_TOKENS, H, device=device)
         torch.manual_seed(1)
         x.copy_(torch.randn(MAX_TOKENS, H))

@@ -197,10 +197,7 @@ def test_full_cudagraph_buffers_and_dflash_staging_are_h_draft_wide(projecting):
     mgr.aux_hidden_states = [torch.empty_like(x) for x in outs]  # capture()'s allocation
     assert sum(b.numel() for b in mgr.aux_hidden_states) == 512 * H_DRAFT
     assert "packed_aux_buffer" not in mgr.__dict__
-    try:
-        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
-    except ImportError:
-        return
+    DFlashSpeculator = _dflash_speculator()
     assert hasattr(DFlashSpeculator.load_model, "__wrapped__")  # the seam: after the draft loads
     spec, other = object.__new__(DFlashSpeculator), object.__new__(DFlashSpeculator)
     spec.model, other.model = draft, Eagle3Draft()  # `other` loaded a draft that is not registered
@@ -210,11 +207,92 @@ def test_full_cudagraph_buffers_and_dflash_staging_are_h_draft_wide(projecting):
     module = __import__("vllm.v1.worker.gpu.spec_decode.dflash.speculator", fromlist=["x"])
     module.torch.cat([o[:40] for o in outs], dim=-1, out=spec._aux_staging[:40])
     assert torch.equal(spec._aux_staging[:40], outs[0][:40])
-    # what the FULL graph's context step hands the draft: a row slice of the marked staging
+    # what the FULL graph's context step hands the draft: a row slice of its own staging
     staged = spec._aux_staging[:40]
-    assert vllm_projection.is_projection(staged) and draft.combine_hidden_states(staged) is staged
-    assert not vllm_projection.is_projection(spec._aux_staging[:40, :10])
-    assert not vllm_projection.is_projection(other._aux_staging[:40])
+    assert vllm_projection.staging_owner(staged) is draft and draft.combine_hidden_states(staged) is staged
+    assert vllm_projection.staging_owner(spec._aux_staging[:40, :10]) is None
+    assert vllm_projection.staging_owner(other._aux_staging[:40]) is None
+    assert not vllm_projection.is_projection(staged)  # a staging is a contract with its draft, not a mark
+
+
+def _dflash_speculator():
+    try:
+        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+    except ImportError:
+        pytest.skip("this vLLM has no MRV2 DFlash speculator")
+    return DFlashSpeculator
+
+
+def _staging_speculator(draft, rows: int):
+    """A ``DFlashSpeculator`` holding ``draft`` with a FULL-graph staging of ``rows`` rows,
+    staged by the plugin's load seam; ``store(num_tokens, aux, graph_rows)`` runs vLLM's own
+    ``_store_hidden_states`` and then what the captured context step does
+    (``_prepare_graph_forward``: ``hidden_states[:n] = combine(staging[:n])``), returning
+    the draft's input rows."""
+    spec = object.__new__(_dflash_speculator())
+    spec.model = draft
+    spec._aux_staging = torch.zeros(rows, K * HIDDEN)
+    assert vllm_projection.stage_projection(spec)
+    spec.hidden_states = torch.full((rows * 2, draft.model.fc.weight.shape[0]), float("nan"))
+
+    def store(num_tokens, aux, graph_rows):
+        spec._store_hidden_states(num_tokens, None, aux, graph_rows)
+        n = min(num_tokens, graph_rows)
+        spec.hidden_states[:n].copy_(spec.model.combine_hidden_states(spec._aux_staging[:n]))
+        return spec.hidden_states[:num_tokens].clone()
+
+    return spec, store
+
+
+def test_a_packing_step_beside_a_projected_staging_goes_through_the_drafts_fc(projecting):
+    """The target packs in a step (a refused group, a pass error, another engine's
+    recompile) while the registered draft's FULL-graph staging is ``[rows, H_draft]``: vLLM's
+    own ``DFlashSpeculator._store_hidden_states`` stages the packed captures, and the draft's
+    input equals vLLM's combine of the packed concat (its own ``fc``, as without the plugin),
+    rows staged and rows combined eagerly alike. A projecting step before and after gives the
+    projection. Before: the packed K*H columns were written into the H_draft-wide staging
+    (torch resized the out= slice) and read back as a projection."""
+    draft = real_draft(real_engine("norm_before_fc"))
+    spec, store = _staging_speculator(draft, rows=48)
+    torch.manual_seed(5)
+    captures = [torch.randn(40, HIDDEN) for _ in range(K)]
+    with torch.no_grad():
+        expected = _vllm_combine()(draft, torch.cat(captures, -1))
+        acc = ProjectingAccumulator(K, draft.model.fc.weight, norm_before_fc=draft.model.input_norm)
+        acc.extend(captures)
+        projection = acc.finalize()
+    projected_list = [projection] + [projection.new_empty(40, 0) for _ in range(K - 1)]
+    before = dict(vllm_projection.staging_stats)
+    for num_tokens, graph_rows in ((40, 48), (40, 16)):  # all rows staged; 16 staged, 24 combined eagerly
+        with torch.no_grad():
+            got_projected = store(num_tokens, projected_list, graph_rows)
+            got_packed = store(num_tokens, list(captures), graph_rows)
+            again = store(num_tokens, projected_list, graph_rows)
+        assert torch.equal(got_projected, projection) and torch.equal(again, projection)
+        torch.testing.assert_close(got_packed, expected, rtol=1e-6, atol=1e-6)  # fc over other row counts
+        assert not torch.isnan(got_packed).any()
+    assert vllm_projection.staging_stats["packed_then_combined"] == before["packed_then_combined"] + 2
+    assert vllm_projection.staging_stats["projected"] == before["projected"] + 4
+    with pytest.raises(vllm_projection.AuxCaptureError, match="staging"):  # neither layout: named, not written
+        module = __import__("vllm.v1.worker.gpu.spec_decode.dflash.speculator", fromlist=["x"])
+        module.torch.cat([c[:8, :10] for c in captures], dim=-1, out=spec._aux_staging[:8])
+
+
+def test_a_projection_is_passed_on_only_in_its_own_step(projecting):
+    """A slice or a copy of a projection, or a later tensor in its buffer, is not a
+    projection: only the tensor the speculator's concat handed on in that step. A
+    projection reaching a draft of another width is an error, never given to ``fc``."""
+    draft = real_draft(real_engine())
+    spec_mod = __import__("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", fromlist=["x"])
+    projection = torch.randn(16, H_DRAFT)
+    handed = spec_mod.torch.cat([projection] + [projection.new_empty(16, 0)] * (K - 1), dim=-1)
+    assert handed is projection and draft.combine_hidden_states(handed) is handed
+    for not_marked in (projection[:8], projection.clone(), torch.randn(16, H_DRAFT)):
+        with pytest.raises(RuntimeError):  # vLLM's own combine: fc reads K*H
+            draft.combine_hidden_states(not_marked)
+    other = real_draft(real_engine(h_draft=128))
+    with pytest.raises(vllm_projection.AuxCaptureError, match="made for another draft"):
+        other.combine_hidden_states(handed)
 
 
 def test_draft_classes_are_patched_and_pass_projections_on(projecting):
@@ -378,4 +456,66 @@ def test_one_draft_per_engine_each_target_projects_into_its_own(projecting):
     del drafts["b"]
     gc.collect()
     assert names["b"] not in draft_registry.registered_names() and names["a"] in draft_registry.registered_names()
-    assert vllm_projection.draft_name() == names["a"]  # one engine's draft left: a target of no engine gets it
+    no_engine = H.build("eager", capture_at=CAPTURES)[2]  # a target's config naming no engine
+    assert vllm_projection.draft_name(no_engine) == names["a"]  # one engine's draft left: such a target gets it
+    assert vllm_projection.draft_name() is None  # a target whose config is not known at all: none
+
+
+def _as_the_runner(model, config):
+    """Call ``model`` as vLLM's model runner does in ``execute_model``: in its forward context,
+    with no current config (vLLM sets that around load and the first compile, not here), so a
+    first compile here stands for a recompile at run time."""
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.forward_context import set_forward_context
+
+    def run(x):
+        assert get_current_vllm_config_or_none() is None
+        with set_forward_context(None, vllm_config=config), torch.no_grad():
+            return model(x)
+
+    return run
+
+
+@pytest.mark.parametrize("mode", ["VLLM_COMPILE", "DYNAMO_TRACE_ONCE"])
+def test_each_target_projects_only_into_its_own_engines_draft_where_the_runner_runs_it(projecting, mode):
+    """Two engines in one process; engine A's draft registers, engine B's is refused (a
+    square fc). Each target is compiled and run the way the model runner runs it (no current
+    vLLM config: a compile inside ``execute_model``), compiled and uncompiled: A's target is
+    projected into A's draft, B's is packed and B's draft applies its own fc. Before: B's
+    target read no engine and was projected into the one registered draft, A's."""
+    from vllm.model_executor.models.interfaces import EagleModelMixin
+
+    engine_a, engine_b = real_engine("fc"), real_engine("fc", h_draft=K * HIDDEN)
+    ref = H.build("none", capture_at=CAPTURES)[0]
+    x = torch.randn(24, HIDDEN)
+    with torch.no_grad():
+        raux = ref(x)[1]
+    targets = {}
+    for name, engine in (("a", engine_a), ("b", engine_b)):
+        model, _, config = H.build("eager", capture_at=CAPTURES, mode=mode, speculative_config=engine.speculative_config)
+        model.load_state_dict(ref.state_dict())
+        targets[name] = _as_the_runner(model, config)
+    draft_a = real_draft(engine_a)
+    with pytest.warns(RuntimeWarning, match="fc is square"):
+        draft_b = real_draft(engine_b, registers=False)
+    spec = __import__("vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator", fromlist=["x"])
+    acc = ProjectingAccumulator(K, draft_a.model.fc.weight)
+    acc.extend(raux)
+    aux_a = targets["a"](x)[1]
+    assert aux_a[0].shape == (24, H_DRAFT) and torch.equal(aux_a[0], acc.finalize())
+    with pytest.warns(RuntimeWarning, match="this target's engine has no registered draft"):
+        aux_b = targets["b"](x)[1]
+    assert [tuple(a.shape) for a in aux_b] == [(24, HIDDEN)] * K
+    drafted_b = draft_b.combine_hidden_states(spec.torch.cat(aux_b, dim=-1))
+    torch.testing.assert_close(drafted_b, _vllm_combine()(draft_b, torch.cat(raux, -1)), rtol=0, atol=0)
+
+    class Inner(EagleModelMixin):  # an uncompiled target's inner model: vLLM keeps its config on it
+        aux_hidden_state_layers = tuple(range(K))
+
+    for engine, width in ((engine_a, H_DRAFT), (engine_b, HIDDEN)):
+        inner = Inner()
+        inner.vllm_config = engine.config
+        aux = []
+        for i, capture in enumerate(raux):
+            aux = inner._maybe_add_hidden_state(aux, i, capture, None)
+        assert aux[0].shape == (24, width)

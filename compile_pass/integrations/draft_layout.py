@@ -15,9 +15,18 @@ __all__ = ["plain_fc", "column_shard", "is_rms_norm", "not_rms_norm"]
 
 
 def plain_fc(fc: Any) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], str]:
-    """(weight, bias, "") of an unquantized linear (``nn.Linear``, or an engine's linear
-    whose quantization method is ``UnquantizedLinearMethod``); else (None, None, why not)."""
+    """(weight, bias, "") of an unquantized linear computing ``x @ weight.T + bias`` and
+    returning only that (``nn.Linear``, or an engine's linear whose quantization method is
+    ``UnquantizedLinearMethod``), narrower than its input (the rule ``fuse_projection``
+    applies to the graph's fc); else (None, None, why not). Refused, as not verified: a
+    LoRA wrapper (its adapters add to the output), ``skip_bias_add`` (the bias returned
+    apart), a weight whose shape is not the ``[output_size, input_size]`` the linear
+    declares (re-laid after loading)."""
     weight = getattr(fc, "weight", None)
+    if getattr(fc, "base_layer", None) is not None or "lora" in type(fc).__name__.lower():
+        return None, None, f"its fc ({type(fc).__name__}) is wrapped for LoRA: its adapters add to fc's output"
+    if getattr(fc, "skip_bias_add", False):
+        return None, None, f"its fc ({type(fc).__name__}) returns its bias apart (skip_bias_add)"
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return None, None, f"its fc ({type(fc).__name__}) has no 2-D weight"
     method = getattr(fc, "quant_method", None)
@@ -28,10 +37,16 @@ def plain_fc(fc: Any) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], s
     sharded = column_shard(fc, weight)
     if sharded:
         return None, None, sharded
+    declared = (getattr(fc, "output_size", None), getattr(fc, "input_size", None))
+    if all(isinstance(d, int) for d in declared) and tuple(weight.shape) != declared:
+        return None, None, (f"its fc's weight is {tuple(weight.shape)}, not the [{declared[0]}, {declared[1]}] its "
+                            f"{type(fc).__name__} declares (a row shard, or re-laid after loading)")
     if weight.shape[0] == weight.shape[1]:
         return None, None, (f"its fc is square ({weight.shape[1]} -> {weight.shape[0]}): the projected input "
-                            f"would be as wide as the packed captures, nothing to save, and the draft tells "
-                            f"the two apart by width")
+                            f"would be as wide as the packed captures, nothing to save")
+    if weight.shape[0] > weight.shape[1]:
+        return None, None, (f"its fc is no narrower than the concat ({weight.shape[1]} -> {weight.shape[0]}): "
+                            f"its accumulator would be larger than the packed buffer, projecting saves nothing")
     bias = getattr(fc, "bias", None)
     return weight, bias if isinstance(bias, torch.Tensor) else None, ""
 

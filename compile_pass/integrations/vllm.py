@@ -91,8 +91,21 @@ class _ViewCatTorch:
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._torch, name, value)
 
+    #: ``vllm_projection.stage_projection`` binds a staging buffer only where this proxy writes it
+    stages_projections = True
+
     def cat(self, tensors: Any, dim: int = 0, *args: Any, **kwargs: Any) -> Any:
         torch = self._torch
+        out = kwargs.get("out")
+        if out is not None and not args and set(kwargs) == {"out"} and isinstance(tensors, (list, tuple)) \
+                and tensors and dim in (-1, tensors[0].dim() - 1) and not torch.compiler.is_compiling():
+            staged = vllm_projection.stage_into(tensors, out, torch.cat)
+            if staged is not None:
+                return staged
+            if vllm_projection.is_standin_list(tensors) and out.shape[-1] != tensors[0].shape[-1]:
+                raise vllm_projection.AuxCaptureError(
+                    f"compile_pass vLLM plugin: a projected input {tuple(tensors[0].shape)} would be written into "
+                    f"a buffer {tuple(out.shape)} that is not a projected staging (torch would resize it)")
         if (not args and not kwargs and isinstance(tensors, (list, tuple)) and len(tensors) >= 2
                 and all(isinstance(t, torch.Tensor) for t in tensors)
                 and not torch.compiler.is_compiling()):
@@ -166,7 +179,7 @@ def _eager_capture(original: Callable) -> Callable:
                 or not isinstance(aux_hidden_states, list) or len(layers) < 2):
             return original(self, aux_hidden_states, layer_idx, hidden_states, residual)
         k = len(layers)
-        if vllm_projection.draft_name() is not None:
+        if _projecting():
             projected = _project_capture(self, aux_hidden_states, k, hidden_states, residual)
             if projected is not None:
                 return projected
@@ -206,7 +219,7 @@ def _project_capture(model: Any, aux_hidden_states: list, k: int, hidden_states:
     if state is None or state[0] is not aux_hidden_states:
         if aux_hidden_states or model.__dict__.get("_compile_pass_not_projected"):
             return None
-        acc, why = vllm_projection.accumulator_for(k, hidden_states)
+        acc, why = vllm_projection.accumulator_for(k, hidden_states, model)
         if acc is None:
             model.__dict__["_compile_pass_not_projected"] = why
             logger.warning("compile_pass vLLM plugin: %s: the captures are packed", why)
@@ -422,17 +435,19 @@ class _OneGraphCapture:
     config vLLM would have passed (``inductor_compile_config`` as the user set it; the
     backend installs its own passes). Counts what it rewrote."""
 
-    def __init__(self, inner: str, inductor_options: Dict[str, Any]) -> None:
+    def __init__(self, inner: str, inductor_options: Dict[str, Any], vllm_config: Any = None) -> None:
         from compile_pass.backend import AuxCaptureBackend
 
         self.inner = inner
+        self.vllm_config = vllm_config  # the model's: its engine's draft is the one projected into
         self.backend = AuxCaptureBackend(inner=inner, pack_outputs=True, inductor_options=dict(inductor_options))
 
     def __call__(self, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
-        self.backend.project_outputs = _projected_draft()  # the draft is built after this backend
-        done = len(self.backend.results)
-        compiled = self.backend(gm, example_inputs)
-        _count_rewritten(self.backend.results[done:])
+        with vllm_projection.compiling_for(self.vllm_config):
+            self.backend.project_outputs = _projected_draft()  # the draft is built after this backend
+            done = len(self.backend.results)
+            compiled = self.backend(gm, example_inputs)
+            _count_rewritten(self.backend.results[done:])
         return compiled
 
     def __repr__(self) -> str:
@@ -458,7 +473,7 @@ def _init_backend(original: Callable, one_graph_modes: Sequence[Any], step_cls: 
             return backend
         try:
             options = _users_inductor_config(self, step_cls) if backend == "inductor" else {}
-            wrapped = _OneGraphCapture(backend, options)
+            wrapped = _OneGraphCapture(backend, options, vllm_config)
         except Exception as e:  # noqa: BLE001  never a broken start: vLLM's own backend
             logger.warning("compile_pass: %s backend %r kept as vLLM's (%s: %s)",
                            self.mode, backend, type(e).__name__, e)

@@ -40,12 +40,14 @@ instead of one GEMM (docs/projection.md and docs/vllm.md measure it).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -58,7 +60,8 @@ from compile_pass.projection import DraftProjection, ProjectingAccumulator
 
 __all__ = ["ENV_PROJECT", "DRAFT_NAME", "enabled_by_env", "engine_key", "projection_of", "register_draft",
            "is_registered", "draft_name", "draft_or_why", "accumulator_for", "keep_fc_weight", "mark_projection",
-           "is_projection", "is_standin_list", "stage_projection", "clear", "PROJECTION_SEAMS"]
+           "is_projection", "is_standin_list", "stage_projection", "stage_into", "staging_owner", "target_config",
+           "compiling_for", "clear", "PROJECTION_SEAMS"]
 
 logger = logging.getLogger("compile_pass.vllm")
 
@@ -89,17 +92,46 @@ def enabled_by_env() -> bool:
 def engine_key(vllm_config: Any = None) -> Optional[int]:
     """Which engine instance a draft or a target belongs to: the identity of the engine's
     ``SpeculativeConfig``, the one object the target's ``VllmConfig`` and the draft's (vLLM's
-    ``apply_draft_overrides`` copy) share. ``vllm_config``: the config a draft is built with;
-    default the current one (vLLM sets it around loading and the first compile). None
-    outside an engine."""
+    ``apply_draft_overrides`` copy) share. ``vllm_config``: the config a draft or a target
+    was built with; default ``target_config()``. None outside an engine."""
     if vllm_config is None:
+        vllm_config = target_config()
+    spec = getattr(vllm_config, "speculative_config", None)
+    return id(spec) if spec is not None else None
+
+
+#: the ``VllmConfig`` of the model whose graph is being compiled (set around
+#: ``VllmBackend.__call__`` from the backend's own config, and by the one-graph backend):
+#: the target's engine, whether vLLM compiles at load time or recompiles inside
+#: ``execute_model``, where no current config is set
+_COMPILING: "contextvars.ContextVar[Any]" = contextvars.ContextVar("compile_pass_vllm_compiling", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(vllm_config: Any) -> Iterator[None]:
+    """Graphs compiled inside this block belong to ``vllm_config``'s engine."""
+    token = _COMPILING.set(vllm_config)
+    try:
+        yield
+    finally:
+        _COMPILING.reset(token)
+
+
+def target_config(model: Any = None) -> Any:
+    """The ``VllmConfig`` a target belongs to: the one its graph is being compiled for
+    (``compiling_for``), else ``model``'s own (``@support_torch_compile`` keeps the config
+    a model was built with as ``model.vllm_config``), else vLLM's current config (set around
+    loading and the first compile, not around ``execute_model``); None if none is known."""
+    config = _COMPILING.get()
+    if config is None and model is not None:
+        config = getattr(model, "vllm_config", None)
+    if config is None:
         try:
             from vllm.config import get_current_vllm_config_or_none
         except ImportError:  # older vLLM: no "or none" accessor
             return None
-        vllm_config = get_current_vllm_config_or_none()
-    spec = getattr(vllm_config, "speculative_config", None)
-    return id(spec) if spec is not None else None
+        config = get_current_vllm_config_or_none()
+    return config
 
 
 def projection_of(draft: Any) -> Tuple[Optional[Callable[[int], DraftProjection]], str]:
@@ -146,10 +178,10 @@ def _fc_norms(inner: Any) -> Optional[List[Any]]:
     return list(inner.fc_norm) if getattr(inner, "fc_norm", None) is not None else None
 
 
-def register_draft(draft: Any, vllm_config: Any = None) -> bool:
+def register_draft(draft: Any, vllm_config: Any = None) -> Optional[str]:
     """Take ``draft``'s input projection for its engine (``engine_key(vllm_config)``: the
-    config it is built with, default the current one); True if taken. One that does not fit
-    is named in a warning, its engine's captures stay packed."""
+    config it is built with, default the current one); its registry name if taken, else
+    None. One that does not fit is named in a warning, its engine's captures stay packed."""
     key = engine_key(vllm_config)
     resolve, why = projection_of(draft)
     if resolve is None:
@@ -157,7 +189,7 @@ def register_draft(draft: Any, vllm_config: Any = None) -> bool:
         msg = f"compile_pass vLLM plugin: {why}: the draft's input is packed as without {ENV_PROJECT}"
         logger.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
-        return False
+        return None
     name = _NAMES.setdefault(key, DRAFT_NAME if not _NAMES else f"{DRAFT_NAME}-{len(_NAMES) + 1}")
     owner = f"{type(draft).__module__}.{type(draft).__qualname__}"
     draft_registry.register(name, owner, resolve)
@@ -165,7 +197,7 @@ def register_draft(draft: Any, vllm_config: Any = None) -> bool:
     weight = _fc_weight(draft)
     logger.info("compile_pass vLLM plugin: draft %s registered as %r: each capture projected into [T, %s]",
                 owner, name, weight.shape[0] if weight is not None else "?")
-    return True
+    return name
 
 
 def _forget(key: Optional[int], ref: Any) -> None:
@@ -186,21 +218,27 @@ def _live() -> Dict[Optional[int], _EngineDraft]:
 
 
 def _entry(vllm_config: Any = None) -> Tuple[Optional[_EngineDraft], str]:
-    """The registered draft of the engine ``vllm_config`` (default: the current one)
-    belongs to, or (None, why none). Outside an engine (no speculative config), the one
-    registered draft if there is exactly one; several and no way to tell: none."""
-    live, key = _live(), engine_key(vllm_config)
+    """The registered draft of the engine ``vllm_config`` (default: ``target_config()``)
+    belongs to, or (None, why none). A target whose config is not known gets none. One
+    whose config names no engine (no speculative config: a target built outside vLLM's
+    speculative decoding, as harnesses do) gets the one registered draft if there is exactly
+    one; several and no way to tell: none."""
+    config = target_config() if vllm_config is None else vllm_config
+    if config is None:
+        return None, ("this target's engine is not known (no vLLM config is being compiled for, on the model, "
+                      "or current)")
+    live, key = _live(), engine_key(config)
     if key in live:
         return live[key], ""
     if not live:
         return None, "no draft registered"
+    if key is not None:
+        return None, "this target's engine has no registered draft (the registered one belongs to another engine)"
     if len(live) == 1:
-        (only_key, only), = live.items()
-        if key is None or only_key is None:
-            return only, ""
-        return None, "the registered draft belongs to another engine"
-    return None, (f"{len(live)} engines' drafts are registered in this process and this target's engine is not "
-                  f"known (no current vLLM config with a speculative config)")
+        (_, only), = live.items()
+        return only, ""
+    return None, (f"{len(live)} engines' drafts are registered in this process and this target's config names "
+                  f"no engine (no speculative config)")
 
 
 def _owner(vllm_config: Any = None) -> Any:
@@ -232,10 +270,12 @@ def clear() -> None:
         _drop(key)
 
 
-def accumulator_for(num_captures: int, first: torch.Tensor) -> Tuple[Optional[ProjectingAccumulator], str]:
-    """An eager accumulator for a forward capturing ``num_captures`` tensors like ``first``
-    (for the current engine's draft), or (None, why not)."""
-    name, why = draft_or_why()
+def accumulator_for(num_captures: int, first: torch.Tensor,
+                    model: Any = None) -> Tuple[Optional[ProjectingAccumulator], str]:
+    """An eager accumulator for a forward of ``model`` (a target's inner model) capturing
+    ``num_captures`` tensors like ``first``, into the draft of ``model``'s engine
+    (``target_config(model)``), or (None, why not)."""
+    name, why = draft_or_why(target_config(model))
     if name is None:
         return None, why
     draft = draft_registry.lookup(name)
@@ -253,35 +293,64 @@ def _fc_weight(draft: Any) -> Optional[torch.Tensor]:
     return weight if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
-# Tensors the plugin made or handed on as the draft's projected input, by id, each with a
-# weak reference that must still be that tensor (an id is reused once its tensor is freed).
-# A view of a marked staging buffer, all its columns, is one too (DFlash's FULL graphs read
-# ``self._aux_staging[:rows]``).
+# Projected draft inputs are told apart from packed captures per step, never by width and
+# never by a buffer's history:
+# - ``mark_projection``: the tensor the speculator's concat returned in this step for a
+#   target that projected (its captures' layout: the projection, then ``[T, 0]``
+#   stand-ins); a fresh tensor object every step, by id, with a weak reference that must
+#   still be that tensor (an id is reused once its tensor is freed);
+# - a staging buffer (DFlash's FULL-graph ``_aux_staging``, ``stage_projection``): a
+#   contract with one draft, whose captured CUDA graph reads it as projected. Every write
+#   into it goes through the speculator's concat (``stage_into``), which writes the
+#   projection when the target projected in that step and the draft's own combine of the
+#   packed captures when it packed.
 _MARKED: Dict[int, "weakref.ref[torch.Tensor]"] = {}
+_STAGINGS: Dict[int, Tuple["weakref.ref[torch.Tensor]", "weakref.ref[Any]"]] = {}
+#: what the speculators' concat wrote into a staging buffer (tests and docs read them)
+staging_stats: Dict[str, int] = {"projected": 0, "packed_then_combined": 0}
+
+
+def _remember(table: Dict[int, Any], t: torch.Tensor, value: Any) -> None:
+    key = id(t)
+    table[key] = value
+    weakref.finalize(t, table.pop, key, None)
 
 
 def mark_projection(t: torch.Tensor) -> torch.Tensor:
-    """Mark ``t`` as a projected draft input (what ``is_projection`` recognises); returns it."""
-    key = id(t)
-    _MARKED[key] = weakref.ref(t, lambda _ref, key=key: _MARKED.pop(key, None))
+    """Mark ``t`` as this step's projected draft input (what ``is_projection`` recognises);
+    returns it."""
+    _remember(_MARKED, t, weakref.ref(t))
     return t
 
 
-def _marked(t: Any) -> bool:
+def is_projection(t: Any) -> bool:
+    """Whether ``t`` is a projected draft input the plugin handed on in this step (marked by
+    the speculator's concat). A slice or a copy of one is not: never decided by width, and
+    never by the buffer a tensor lives in (``staging_owner`` tells staging buffers)."""
+    if not isinstance(t, torch.Tensor):
+        return False
     ref = _MARKED.get(id(t))
     return ref is not None and ref() is t
 
 
-def is_projection(t: Any) -> bool:
-    """Whether ``t`` is a projected draft input the plugin made or handed on: marked, or a
-    row slice of a marked buffer (all of its columns). Never decided by width."""
+def _staging(t: Any) -> Tuple[Optional[torch.Tensor], Any]:
+    """(the staging buffer ``t`` is, or is a row slice of, all its columns; its draft), or
+    (None, None)."""
     if not isinstance(t, torch.Tensor):
-        return False
-    if _marked(t):
-        return True
-    base = t._base
-    return (base is not None and _marked(base) and t.dim() == base.dim() and t.shape[-1] == base.shape[-1]
-            and t.stride() == base.stride())
+        return None, None
+    for candidate in (t, t._base):
+        entry = _STAGINGS.get(id(candidate)) if candidate is not None else None
+        if entry is None or entry[0]() is not candidate:
+            continue
+        whole_rows = t.dim() == candidate.dim() and t.shape[-1] == candidate.shape[-1] and \
+            t.stride() == candidate.stride()
+        return (candidate, entry[1]()) if whole_rows else (None, None)
+    return None, None
+
+
+def staging_owner(t: Any) -> Any:
+    """The draft whose staging buffer ``t`` is (or is a row slice of, all its columns), else None."""
+    return _staging(t)[1]
 
 
 def is_standin_list(tensors: Any) -> bool:
@@ -292,11 +361,60 @@ def is_standin_list(tensors: Any) -> bool:
             and all(t.shape[-1] == 0 for t in tensors[1:]) and tensors[0].shape[-1] > 0)
 
 
+def stage_into(tensors: Any, out: torch.Tensor, cat: Callable[..., torch.Tensor]) -> Optional[torch.Tensor]:
+    """The speculator's ``cat(tensors, dim=-1, out=out)`` where ``out`` is (a row slice of) a
+    staging buffer: the staging always holds what its draft's captured graph reads, the
+    draft's input after ``fc``. A projection of this step for that draft is written as is;
+    packed captures (the target packed in this step: a refused group, a pass error, another
+    engine) go through the draft's own combine (vLLM's, unpatched) and its result is
+    written. Returns ``out``; None if ``out`` is no staging buffer (``cat`` as usual).
+    Anything else is an error naming it, never a silent write."""
+    buffer, draft = _staging(out)
+    if buffer is None:
+        return None
+    if draft is None:
+        raise AuxCaptureError("compile_pass vLLM plugin: a projected staging buffer outlived its draft")
+    width = out.shape[-1]
+    if is_standin_list(tensors) and tensors[0].shape[-1] == width:
+        staging_stats["projected"] += 1
+        return cat(list(tensors), dim=-1, out=out)
+    weight = _fc_weight(draft)
+    widths = [t.shape[-1] for t in tensors]
+    if weight is None or sum(widths) != weight.shape[1] or not all(t.shape[:-1] == out.shape[:-1] for t in tensors):
+        raise AuxCaptureError(
+            f"compile_pass vLLM plugin: the draft's staging {tuple(out.shape)} takes a projection "
+            f"[rows, {width}] or packed captures {weight.shape[1] if weight is not None else '?'} wide in all; "
+            f"this step's captures are {[tuple(t.shape) for t in tensors]}")
+    combine = type(draft).combine_hidden_states
+    combine = getattr(combine, "__wrapped__", combine)
+    combined = combine(draft, cat(list(tensors), dim=-1))
+    if tuple(combined.shape) != tuple(out.shape):
+        raise AuxCaptureError(
+            f"compile_pass vLLM plugin: the draft's staging is {tuple(out.shape)} (projected) but its combine of "
+            f"this step's captures ({[tuple(t.shape) for t in tensors]}) gave {tuple(combined.shape)}")
+    _warn_once_packed_into_staging(type(draft).__name__)
+    staging_stats["packed_then_combined"] += 1
+    return out.copy_(combined)
+
+
+_PACKED_STAGING_WARNED: set = set()
+
+
+def _warn_once_packed_into_staging(draft: str) -> None:
+    if draft in _PACKED_STAGING_WARNED:
+        return
+    _PACKED_STAGING_WARNED.add(draft)
+    logger.warning("compile_pass vLLM plugin: the target packed its captures in a step while %s's FULL-graph "
+                   "staging holds its projected input: the draft's own combine (fc) is applied as the captures "
+                   "are staged", draft)
+
+
 def stage_projection(speculator: Any) -> bool:
-    """After ``speculator`` loaded its draft: if that draft is the registered one and the
-    speculator keeps a FULL-graph staging buffer ``[rows, K*H]`` (DFlash), replace it by a
-    marked ``[rows, H_draft]`` buffer, what the ``cat(..., out=)`` of a projection fills.
-    True if replaced. Another speculator's buffer is never touched."""
+    """After ``speculator`` loaded its draft: if that draft is the registered one, the
+    speculator keeps a FULL-graph staging buffer ``[rows, K*H]`` (DFlash) and its module's
+    concat is the plugin's (``stage_into`` writes every step), replace the buffer by a
+    ``[rows, H_draft]`` one bound to the draft: what its captured graph reads as already
+    combined. True if replaced. Another speculator's buffer is never touched."""
     staging = getattr(speculator, "_aux_staging", None)
     draft = getattr(speculator, "model", None)
     weight = _fc_weight(draft)
@@ -304,7 +422,14 @@ def stage_projection(speculator: Any) -> bool:
         return False
     if staging.dim() != 2 or staging.shape[-1] != weight.shape[1]:
         return False
-    speculator._aux_staging = mark_projection(staging.new_zeros((staging.shape[0], weight.shape[0])))
+    writer = getattr(type(speculator), "_store_hidden_states", None)  # DFlash2 / DSpark inherit DFlash's
+    if not getattr(getattr(writer, "__globals__", {}).get("torch"), "stages_projections", False):
+        logger.warning("compile_pass vLLM plugin: %s's concat is not the plugin's: its staging stays [%d, %d]",
+                       type(speculator).__name__, *staging.shape)
+        return False
+    buffer = staging.new_zeros((staging.shape[0], weight.shape[0]))
+    _remember(_STAGINGS, buffer, (weakref.ref(buffer), weakref.ref(draft)))
+    speculator._aux_staging = buffer
     logger.info("compile_pass vLLM plugin: %s's FULL-graph staging is [%d, %d] (the projected input)",
                 type(speculator).__name__, staging.shape[0], weight.shape[0])
     return True
@@ -348,7 +473,7 @@ def _register_after_init(original: Callable) -> Callable:
 
 def _combine_passes_projection(original: Callable) -> Callable:
     def combine_hidden_states(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if not args and not kwargs and is_projection(hidden_states) and is_registered(self):
+        if not args and not kwargs and _already_combined(self, hidden_states):
             return hidden_states  # projected as it was captured: fc (and its norms) already applied
         return original(self, hidden_states, *args, **kwargs)
 
@@ -356,17 +481,49 @@ def _combine_passes_projection(original: Callable) -> Callable:
     return combine_hidden_states
 
 
+def _already_combined(draft: Any, hidden_states: Any) -> bool:
+    """Whether ``draft`` gets, as ``hidden_states``, its input after ``fc``: a row slice of
+    its own staging buffer (every write into it combined, ``stage_into``), or this step's
+    projection while ``draft`` is registered. A projection that is not ``draft``'s width
+    (another draft's) is an error, never passed on and never given to ``fc``."""
+    if staging_owner(hidden_states) is draft:
+        return True
+    if not is_projection(hidden_states):
+        return False
+    weight = _fc_weight(draft)
+    if not is_registered(draft) or weight is None or hidden_states.shape[-1] != weight.shape[0]:
+        raise AuxCaptureError(
+            f"compile_pass vLLM plugin: {type(draft).__name__} got a projected input {tuple(hidden_states.shape)} "
+            f"made for another draft (this one is {'registered' if is_registered(draft) else 'not registered'}"
+            f"{f', fc {tuple(weight.shape)}' if weight is not None else ''})")
+    return True
+
+
 def _stage_after_load(original: Callable) -> Callable:
     def load_model(self, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
+        draft = getattr(self, "model", None)
         try:
-            stage_projection(self)
+            staged = stage_projection(self)
         except Exception as e:  # noqa: BLE001  never a broken speculator: its staging stays as built
             logger.warning("compile_pass vLLM plugin: resizing the DFlash staging failed (%s: %s)", type(e).__name__, e)
+            staged = False
+        if not staged and isinstance(getattr(self, "_aux_staging", None), torch.Tensor) and is_registered(draft):
+            unregister_draft(draft, "its speculator's FULL-graph staging could not be made [rows, H_draft]")
         return out
 
     load_model.__wrapped__ = original
     return load_model
+
+
+def unregister_draft(draft: Any, why: str) -> None:
+    """Take ``draft``'s registration back (its engine's targets pack), naming why."""
+    for key, entry in list(_ENGINES.items()):
+        if entry.draft() is draft:
+            _drop(key)
+    msg = f"compile_pass vLLM plugin: {type(draft).__name__}: {why}: the draft's input is packed as without {ENV_PROJECT}"
+    logger.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=2)
 
 
 #: the draft classes whose combine the plugin takes: (module, class, optional)
@@ -400,10 +557,29 @@ def _locate_dflash_staging() -> List[Patch]:
         raise SeamAbsent("this DFlashSpeculator stages no captures for FULL graphs (no _aux_staging)")
     require("self._aux_staging = torch.zeros(" in source_of(spec.__init__),
             "DFlashSpeculator.__init__ no longer allocates self._aux_staging")
-    require("out=self._aux_staging[" in source_of(spec), "DFlashSpeculator no longer stages the captures "
-                                                          "with cat(..., out=self._aux_staging[...])")
+    require("out=self._aux_staging[" in source_of(attribute(spec, "_store_hidden_states")),
+            "DFlashSpeculator._store_hidden_states no longer stages the captures with cat(..., out=self._aux_staging[...])")
     require(callable(getattr(spec, "load_model", None)), "DFlashSpeculator has no load_model (where its draft is built)")
     return [Patch(spec, "load_model", _stage_after_load(spec.load_model))]
+
+
+def _compile_in_engine(original: Callable) -> Callable:
+    def __call__(self, graph: Any, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        with compiling_for(getattr(self, "vllm_config", None)):
+            return original(self, graph, example_inputs, *args, **kwargs)
+
+    __call__.__wrapped__ = original
+    return __call__
+
+
+def _locate_backend_call() -> List[Patch]:
+    backend = attribute(import_module("vllm.compilation.backends"), "VllmBackend")
+    call = attribute(backend, "__call__")
+    require(params(call)[:3] == ["self", "graph", "example_inputs"],
+            f"VllmBackend.__call__{params(call)} (expected (self, graph, example_inputs))")
+    require("self.vllm_config" in source_of(call) and "self.vllm_config = vllm_config" in source_of(backend.__init__),
+            "VllmBackend no longer keeps the config of the model it compiles as self.vllm_config")
+    return [Patch(backend, "__call__", _compile_in_engine(call))]
 
 
 #: the projection's seams (``COMPILE_PASS_VLLM_PROJECT=1``), probed only then
@@ -414,6 +590,10 @@ PROJECTION_SEAMS: List[Seam] = [
            locate=_locate_draft_class(module, cls, optional), optional=optional,
            upstream="")
       for module, cls, optional in DRAFT_CLASSES],
+    Seam("vllm.compilation.backends.VllmBackend.__call__",
+         change="graphs compiled by a backend belong to the engine of the config it was built with",
+         reason="vLLM sets no current config around a recompile inside execute_model",
+         locate=_locate_backend_call, upstream=""),
     Seam("vllm.v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator.load_model",
          change="after its draft loads: the FULL graph's staging buffer [rows, H_draft], marked, if that draft is registered",
          reason="the buffer is allocated inside __init__", locate=_locate_dflash_staging, optional=True,
