@@ -76,16 +76,21 @@ def _set(setting: str) -> None:
         assert plugin.install()
 
 
-def _speculator_cat(aux):
-    import vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator as spec
+def _speculator_cat(aux, speculator="eagle3"):
+    """The concat each speculator forms its draft's input with (its module's ``torch``)."""
+    if speculator == "eagle3":
+        import vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator as spec
+    else:  # DFlash, DFlash2 and DSpark stage and combine through DFlashSpeculator's
+        import vllm.v1.worker.gpu.spec_decode.dflash.speculator as spec
 
     return spec.torch.cat(aux, dim=-1)
 
 
-def _engine(kind, hidden, h_draft, dtype, combine, capture_layers):
-    """``real``: an engine's configs with vLLM's own ``Eagle3LlamaForCausalLM`` as its draft
-    (``models/vllm_drafts.py``); the target is built under the engine's speculative config, as
-    vLLM builds both, so its compile projects into that engine's draft. ``standin``: None."""
+def _engine(kind, hidden, h_draft, dtype, combine, capture_layers, speculator="eagle3"):
+    """``real``: an engine's configs with vLLM's own draft of ``speculator`` (Eagle3's
+    ``Eagle3LlamaForCausalLM`` by default; ``models/vllm_drafts.SPECULATORS``); the target is
+    built under the engine's speculative config, as vLLM builds both, so its compile projects
+    into that engine's draft. ``standin``: None."""
     if kind != "real":
         return None
     from models.vllm_drafts import eagle3_engine
@@ -93,7 +98,8 @@ def _engine(kind, hidden, h_draft, dtype, combine, capture_layers):
     if not capture_layers:
         raise SystemExit("--draft real needs the target's capture layers (the vllm_style rows: --no-engine)")
     return eagle3_engine(tempfile.mkdtemp(prefix="cp-vllm-draft-"), hidden=hidden, h_draft=h_draft,
-                         layers=max(capture_layers) + 2, capture_layers=capture_layers, combine=combine, dtype=dtype)
+                         layers=max(capture_layers) + 2, capture_layers=capture_layers, combine=combine, dtype=dtype,
+                         speculator=speculator)
 
 
 def _draft(engine, k, hidden, h_draft, dtype, combine):
@@ -112,7 +118,7 @@ def _draft(engine, k, hidden, h_draft, dtype, combine):
 
 
 def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine, draft_kind="standin", h_draft=None,
-            capture_layers=(), mode="VLLM_COMPILE"):
+            capture_layers=(), mode="VLLM_COMPILE", speculator="eagle3"):
     """make(captures: bool) -> (cls, kwargs); one row per setting. The target is built, then
     its draft (as vLLM's ``load_model``), then compiled by its first call."""
     ref_cls, ref_kwargs = make(False)
@@ -129,7 +135,7 @@ def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine, draft_
         _set(setting)
         t = time.time()
         peaks, outs = {}, {}
-        engine = _engine(draft_kind, hidden, h_draft, dtype, combine, capture_layers)
+        engine = _engine(draft_kind, hidden, h_draft, dtype, combine, capture_layers, speculator)
         spec = engine.speculative_config if engine is not None else None
         draft = None
         for caps in (False, True):
@@ -142,7 +148,7 @@ def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine, draft_
             @torch.no_grad()
             def full(*x, run=run, draft=draft):
                 h, aux = run(*x)
-                return h, (draft.combine_hidden_states(_speculator_cat(aux)) if aux else None)
+                return h, (draft.combine_hidden_states(_speculator_cat(aux, speculator)) if aux else None)
 
             p = measure_peak(full, *inputs)
             peaks[caps], outs[caps] = p.bytes, p.result
@@ -159,7 +165,7 @@ def measure(name, backend, make, inputs, warm, k, hidden, dtype, combine, draft_
             tokens = [(norm(d) @ head.t()).argmax(-1) for d in (drafted, listed)]
         rows.append({
             "model": name, "pieces": backend if mode == "VLLM_COMPILE" else f"{backend}, one graph", "k": k,
-            "combine": combine, "setting": setting, "draft": type(draft).__name__ if draft_kind == "real"
+            "combine": combine, "speculator": speculator, "setting": setting, "draft": type(draft).__name__ if draft_kind == "real"
             else "stand-in", "hidden": hidden, "h_draft": h_draft, "capture": "hidden + residual" if name == "vllm_style" else "clone",
             "dtype": str(dtype).replace("torch.", ""),
             "peak_mib": round(peaks[True] / 2**20, 2), "peak_no_capture_mib": round(peaks[False] / 2**20, 2),
@@ -210,6 +216,9 @@ def main() -> None:
     ap.add_argument("--no-engine", action="store_true")
     ap.add_argument("--draft", choices=("standin", "real"), default="standin",
                     help="real: vLLM's Eagle3LlamaForCausalLM built by its loader (models/vllm_drafts.py)")
+    ap.add_argument("--speculators", default="eagle3",
+                    help="with --draft real: eagle3, dflash, dflash2, dspark (models/vllm_drafts.SPECULATORS); "
+                         "the DFlash family's combine is fc alone")
     ap.add_argument("--h-draft", type=int, help="the draft's width (default: the target's hidden size)")
     ap.add_argument("--modes", default="VLLM_COMPILE", help="VLLM_COMPILE (pieces), DYNAMO_TRACE_ONCE (one graph)")
     ap.add_argument("--out")
@@ -222,12 +231,13 @@ def main() -> None:
     layers = {3: (2, 5, 7), 8: tuple(range(1, 9))}
     for backend, mode in [(b, m) for b in args.backends.split(",") for m in args.modes.split(",")]:
         for k in [int(k) for k in args.ks.split(",")]:
-            for combine in args.combines.split(","):
+            for speculator, combine in [(s, c) for s in args.speculators.split(",") for c in args.combines.split(",")
+                                        if s == "eagle3" or c == "fc"]:
                 def make(caps, k=k):
                     return H.VllmStyleDecoder, {"num_layers": 10, "capture_at": layers[k] if caps else ()}
                 rows += measure("vllm_style", backend, make, (x,), (torch.randn(64, 256),), k, 256,
                                 torch.float32, combine, draft_kind=args.draft, h_draft=args.h_draft,
-                                capture_layers=layers[k], mode=mode)
+                                capture_layers=layers[k], mode=mode, speculator=speculator)
                 if args.no_engine:
                     continue
                 from models import engine

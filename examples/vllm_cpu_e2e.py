@@ -7,7 +7,7 @@ random weights, nothing downloaded), greedy generation, plugin off or on.
     python examples/vllm_cpu_e2e.py --out result.json                       # plugin off
 
 Prints (and writes with ``--out``) the generated token ids of a second greedy generate (the
-first compiles), its peak (the PyTorch profiler's allocations), vLLM's speculative-decoding
+first compiles), the draft's proposed token ids at each of its steps, its peak (the PyTorch profiler's allocations), vLLM's speculative-decoding
 counters (mean accepted length), how many projected draft inputs were finished, the plugin's
 counters and whether it was active. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in this
 process so the counters are this run's. ``tests/test_vllm_cpu.py`` runs it both ways.
@@ -51,6 +51,28 @@ def _speculation(llm) -> dict:
     return {"speculation": counts}
 
 
+def record_proposals() -> list:
+    """What the draft proposes at every step: vLLM's proposer's ``propose`` wrapped to keep
+    its draft token ids (a ``[batch, num_speculative_tokens]`` tensor per step) and, with the
+    target's sampled tokens it was given (``next_token_ids``), the step they follow. The
+    draft's proposals are what a draft-input change can alter: the target's tokens stay the
+    same whatever the draft proposes (verification)."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    steps: list = []
+    original = SpecDecodeBaseProposer.propose
+
+    def propose(self, *args, **kwargs):
+        drafted = original(self, *args, **kwargs)
+        ids = drafted[0] if isinstance(drafted, tuple) else drafted
+        after = kwargs.get("next_token_ids")
+        steps.append({"after": after.tolist() if after is not None else None, "proposed": ids.tolist()})
+        return drafted
+
+    SpecDecodeBaseProposer.propose = propose
+    return steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -66,6 +88,7 @@ def main() -> None:
     from compile_pass.integrations import vllm as plugin
 
     t = time.time()
+    proposals = record_proposals()
     with tempfile.TemporaryDirectory() as root:
         target, draft = write_configs(root)
         llm = LLM(model=target, skip_tokenizer_init=True, load_format="dummy", dtype="float32", disable_log_stats=False,
@@ -76,10 +99,12 @@ def main() -> None:
         prompts = [{"prompt_token_ids": [3 + i % 500 for i in range(int(n))]} for n in args.prompt_lens.split(",")]
         params = SamplingParams(temperature=0.0, max_tokens=args.tokens, detokenize=False, ignore_eos=True)
         llm.generate(prompts, params)  # the first: compiles
+        first = len(proposals)
         measured = measure_peak(llm.generate, prompts, params)  # the second: the steady state
         outs = measured.result
         result = {"plugin_active": plugin.is_active(), "stats": dict(plugin.stats),
                   "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+                  "draft_proposals": proposals[first:],  # every step of the measured generate
                   "peak_bytes_second_generate": measured.bytes, **_speculation(llm),
                   "projected_inputs": sum(draft_registry.finished_count(n) for n in ("vllm-draft", "vllm-draft-2")),
                   "seconds": round(time.time() - t, 1), "vllm": __import__("vllm").__version__}

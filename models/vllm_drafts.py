@@ -29,11 +29,29 @@ import torch
 COMBINES = ("fc", "norm_before_fc", "fc_norms")
 
 
+#: every speculator of vLLM 0.33 / 0.34 that reads the target's aux hidden states, by name:
+#: (SpeculativeConfig method, the draft's architecture in vLLM's registry, the draft class
+#: that architecture resolves to, the draft config's own keys); ``eagle3`` also takes a
+#: ``combine`` (``COMBINES``)
+SPECULATORS = {
+    "eagle3": ("eagle3", "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", {}),
+    "dflash": ("dflash", "DFlashDraftModel", "DFlashQwen3ForCausalLM", {}),
+    "dflash2": ("dflash", "DFlash2DraftModel", "DFlash2Qwen3ForCausalLM",
+                {"dflash_config": {"selector_rank": 16, "selector_top_k": 4, "conv_kernel_size": 3,
+                                   "conv_group_size": 4}}),
+    "dspark": ("dspark", "Qwen3DSparkModel", "Qwen3DSparkForCausalLM", {"markov_rank": 16}),
+}
+
+
 def _write_configs(root: str, *, hidden: int, layers: int, h_draft: int, capture_layers: Sequence[int],
-                   combine: str, dtype: torch.dtype, vocab: int) -> tuple:
+                   combine: str, dtype: torch.dtype, vocab: int, speculator: str = "eagle3") -> tuple:
     """The target's and the draft's config folders under ``root``."""
     if combine not in COMBINES:
         raise ValueError(f"unknown combine {combine!r}: one of {COMBINES}")
+    if speculator not in SPECULATORS:
+        raise ValueError(f"unknown speculator {speculator!r}: one of {sorted(SPECULATORS)}")
+    if speculator != "eagle3" and combine != "fc":
+        raise ValueError(f"a {speculator} draft's combine is its fc alone (combine='fc'), not {combine!r}")
     target, draft = os.path.join(root, "target"), os.path.join(root, "draft")
     os.makedirs(target, exist_ok=True)
     os.makedirs(draft, exist_ok=True)
@@ -43,11 +61,20 @@ def _write_configs(root: str, *, hidden: int, layers: int, h_draft: int, capture
     with open(os.path.join(target, "config.json"), "w") as f:
         json.dump(dict(base, architectures=["LlamaForCausalLM"], hidden_size=hidden, head_dim=hidden // 4,
                        num_hidden_layers=layers), f)
-    eagle = {"eagle_aux_hidden_state_layer_ids": list(capture_layers), "norm_before_fc": combine == "norm_before_fc"}
+    _, architecture, _, own = SPECULATORS[speculator]
+    if speculator == "eagle3":
+        eagle = {"eagle_aux_hidden_state_layer_ids": list(capture_layers), "norm_before_fc": combine == "norm_before_fc"}
+        config = dict(base, architectures=[architecture], hidden_size=h_draft, head_dim=h_draft // 4,
+                      num_hidden_layers=1, target_hidden_size=hidden, draft_vocab_size=vocab,
+                      fc_norm=combine == "fc_norms", eagle_config=eagle)
+    else:  # the DFlash family: Qwen3 layers, the capture layers and mask token in dflash_config
+        dflash = {"target_layer_ids": list(capture_layers), "mask_token_id": vocab - 1,
+                  **own.get("dflash_config", {})}
+        config = dict(base, **{k: v for k, v in own.items() if k != "dflash_config"}, model_type="qwen3",
+                      architectures=[architecture], hidden_size=h_draft, head_dim=h_draft // 4,
+                      num_hidden_layers=2, target_hidden_size=hidden, dflash_config=dflash)
     with open(os.path.join(draft, "config.json"), "w") as f:
-        json.dump(dict(base, architectures=["LlamaForCausalLMEagle3"], hidden_size=h_draft, head_dim=h_draft // 4,
-                       num_hidden_layers=1, target_hidden_size=hidden, draft_vocab_size=vocab,
-                       fc_norm=combine == "fc_norms", eagle_config=eagle), f)
+        json.dump(config, f)
     return target, draft
 
 
@@ -109,30 +136,40 @@ class Eagle3Engine:
             fc = model.model.fc.weight
             fc.copy_(torch.randn(fc.shape, generator=generator).to(fc.dtype) * 4.0 / fc.shape[1] ** 0.5)
             inner = model.model
-            for norm in ([inner.input_norm] if inner.norm_before_fc else []) + list(inner.fc_norm or []):
+            norms = ([inner.input_norm] if getattr(inner, "norm_before_fc", False) else []) + \
+                list(getattr(inner, "fc_norm", None) or [])
+            for norm in norms:
                 norm.weight.copy_((1 + 0.1 * torch.randn(norm.weight.shape, generator=generator)).to(norm.weight.dtype))
         return model
 
 
 def eagle3_engine(root: str, *, hidden: int, layers: int, h_draft: int, capture_layers: Sequence[int],
-                  combine: str = "fc", dtype: torch.dtype = torch.float32, vocab: int = 256) -> Eagle3Engine:
-    """An engine serving a Llama target of ``layers`` x ``hidden`` with an Eagle3 draft
-    (``h_draft`` wide, ``combine``: ``"fc"``, ``"norm_before_fc"`` or ``"fc_norms"``)
-    capturing at ``capture_layers``: config folders written under ``root``, vLLM's configs
-    made from them."""
+                  combine: str = "fc", dtype: torch.dtype = torch.float32, vocab: int = 256,
+                  speculator: str = "eagle3") -> Eagle3Engine:
+    """An engine serving a Llama target of ``layers`` x ``hidden`` with a draft of
+    ``speculator`` (``SPECULATORS``: Eagle3 by default; ``h_draft`` wide, Eagle3's
+    ``combine``: ``"fc"``, ``"norm_before_fc"`` or ``"fc_norms"``) capturing at
+    ``capture_layers``: config folders written under ``root``, vLLM's configs made from them."""
     from vllm.config import (CompilationConfig, DeviceConfig, LoadConfig, ModelConfig, ParallelConfig,
                              SpeculativeConfig, VllmConfig)
 
     target, draft = _write_configs(root, hidden=hidden, layers=layers, h_draft=h_draft,
-                                   capture_layers=capture_layers, combine=combine, dtype=dtype, vocab=vocab)
+                                   capture_layers=capture_layers, combine=combine, dtype=dtype, vocab=vocab,
+                                   speculator=speculator)
     model_config = ModelConfig(model=target, skip_tokenizer_init=True, dtype=dtype, max_model_len=8192)
     parallel = ParallelConfig()
-    speculative = SpeculativeConfig(method="eagle3", model=draft, num_speculative_tokens=1,
+    speculative = SpeculativeConfig(method=SPECULATORS[speculator][0], model=draft,
+                                    num_speculative_tokens=1 if speculator == "eagle3" else 2,
                                     target_model_config=model_config, target_parallel_config=parallel)
     config = VllmConfig(model_config=model_config, speculative_config=speculative, parallel_config=parallel,
                         load_config=LoadConfig(load_format="dummy"), device_config=DeviceConfig("cpu"),
                         compilation_config=CompilationConfig(custom_ops=["none"]))
     return Eagle3Engine(config, root)
+
+
+def speculator_engine(root: str, speculator: str, **kwargs: Any) -> Eagle3Engine:
+    """``eagle3_engine`` for any of ``SPECULATORS``."""
+    return eagle3_engine(root, speculator=speculator, **kwargs)
 
 
 def build_eagle3(root: str, **kwargs: Any) -> torch.nn.Module:

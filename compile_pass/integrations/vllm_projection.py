@@ -7,8 +7,10 @@ is built, and registers it as its engine's draft (``compile_pass.draft_registry`
 ``"vllm-draft"``, another engine's in the same process ``"vllm-draft-2"``, ...). An engine
 is known by its ``SpeculativeConfig`` (``engine_key``), the object the target's and the
 draft's ``VllmConfig`` share: the draft's from the ``vllm_config`` it is built with, the
-target's from the config vLLM sets around its first compile. A target of no known engine
-gets the one registered draft, and stays packed (with the reason) while several live. Then:
+target's from its own (``target_config``: the config of the backend compiling its graph, or
+the one ``@support_torch_compile`` keeps on the model; vLLM sets no current config inside
+``execute_model``). A target is projected only into its own engine's draft; one whose
+engine has none is packed, with the reason. Then:
 
 - compiled targets: the capture rewrite before vLLM's split (``rewrite_graph(...,
   project_outputs=<its engine's draft>)``) makes the graph return the projected ``[T, H_draft]`` in
@@ -18,18 +20,22 @@ gets the one registered draft, and stays packed (with the reason) while several 
   (``persistent_like`` of each output) where they kept K ``[max_tokens, H]``;
 - uncompiled targets: ``EagleModelMixin._maybe_add_hidden_state`` projects each capture
   into a ``ProjectingAccumulator`` (the list holds the finished projection and stand-ins);
-- the speculators' ``torch.cat(aux, dim=-1)`` of a projection and its stand-ins is the
-  projection itself, marked as one (``mark_projection``), and the registered draft's
-  ``combine_hidden_states`` passes a marked input straight on (``fc`` is not applied
-  twice). A projection is recognised by the mark, never by its width: anything unmarked
-  gets vLLM's own combine. DFlash's FULL-graph staging buffer (``_aux_staging``) is
-  replaced by a marked ``[rows, H_draft]`` one when its own speculator loads the registered
-  draft.
+- per step, never by a buffer's history: the speculators' ``torch.cat(aux, dim=-1)`` of a
+  projection and its stand-ins is the projection itself, and that tensor (this step's) is
+  marked (``mark_projection``); the registered draft's ``combine_hidden_states`` passes on
+  a marked input of its width (``fc`` is not applied twice) and gives anything else vLLM's
+  own combine. DFlash's FULL-graph staging buffer (``_aux_staging``), which the draft's
+  captured graph reads as already combined, is replaced by a ``[rows, H_draft]`` one bound
+  to its draft (``stage_projection``) and written every step by the plugin's concat
+  (``stage_into``): the projection when the target projected, the draft's own combine of
+  the packed captures when it packed.
 
-A draft whose ``fc`` is square (``H_draft == K*H``) is refused (``draft_layout.plain_fc``):
-its projection would be as wide as the packed captures, so it would save nothing.
+A draft whose ``fc`` is no narrower than the concat (``H_draft >= K*H``), wrapped for LoRA,
+``skip_bias_add`` or re-laid is refused (``draft_layout.plain_fc``, the rule
+``fuse_projection`` applies too).
 
-Eagle3 drafts (Llama, Qwen3, DeepSeek) and the Qwen3 DFlash draft are recognised. Tensor
+Eagle3 drafts (Llama, Qwen3, DeepSeek), DFlash / DFlash2 (Qwen3) and DSpark (Qwen3, Gemma4)
+are recognised. Tensor
 parallel: vLLM's Eagle3 and DFlash ``fc`` are ``ReplicatedLinear`` and the captures are the
 all-reduced hidden states, so every rank projects in full, as the draft would. A draft
 whose layout is not recognised (a quantized ``fc``, a norm that is not an RMSNorm, Laguna's
@@ -533,6 +539,10 @@ DRAFT_CLASSES = (
     ("vllm.model_executor.models.deepseek_eagle3", "Eagle3DeepseekV2ForCausalLM", True),
     ("vllm.model_executor.models.qwen3_dflash", "DFlashQwen3ForCausalLM", True),
     ("vllm.model_executor.models.laguna_dflash", "DFlashLagunaForCausalLM", True),
+    # DSpark drafts inherit DFlash's combine but build themselves with nn.Module.__init__
+    # (DFlash2 and Ricursive DFlash2 call DFlash's __init__: registered through it)
+    ("vllm.model_executor.models.qwen3_dspark", "Qwen3DSparkForCausalLM", True),
+    ("vllm.model_executor.models.gemma4_dspark", "Gemma4DSparkForCausalLM", True),
 )
 
 
@@ -544,8 +554,10 @@ def _locate_draft_class(module_name: str, class_name: str, optional: bool) -> Ca
                 f"{class_name}.combine_hidden_states{params(combine)} (expected (self, hidden_states))")
         require("self.model.fc(" in source_of(combine),
                 f"{class_name}.combine_hidden_states no longer applies self.model.fc")
+        # an inherited combine is wrapped on this class too, from the unwrapped function
+        # (probes run before any patch: the parent's wrapper is never wrapped again)
         return [Patch(cls, "__init__", _register_after_init(cls.__init__)),
-                Patch(cls, "combine_hidden_states", _combine_passes_projection(combine))]
+                Patch(cls, "combine_hidden_states", _combine_passes_projection(getattr(combine, "__wrapped__", combine)))]
 
     return locate
 
