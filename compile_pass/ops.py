@@ -21,7 +21,7 @@ import torch
 
 __all__ = ["write_slice_", "binary_into_slice_", "project_into_", "project_binary_into_", "bias_into_",
            "project_normed_into_", "project_scaled_into_", "sum_squares_into_", "rms_scale_", "rms_norm",
-           "project_rows_", "row_step", "BLOCK_FRACTION",
+           "project_rows_", "row_step", "BLOCK_FRACTION", "WHOLE_CAPTURE_BYTES",
            "BINARY_OPS", "MUTATED_ARG"]
 
 #: the correctly rounded binary ops ``binary_into_slice_`` computes (aten op names)
@@ -119,15 +119,26 @@ def capture_value(a: torch.Tensor, b: Optional[torch.Tensor], op: str) -> torch.
     return getattr(torch, op)(a, b)
 
 
-#: a capture is formed, transformed and projected this fraction of its rows at a time (at
-#: most ``1/BLOCK_FRACTION`` of them, and at least one row): the per-capture ops' temporaries
-#: (``hidden + residual``, a norm's fp32 upcast, its scaled rows) are a bounded fraction of
-#: one capture at any size, never the whole ``[T, H]``
+#: a capture larger than ``WHOLE_CAPTURE_BYTES`` is formed, transformed and projected
+#: ``1/BLOCK_FRACTION`` of its rows at a time: the per-capture ops' temporaries
+#: (``hidden + residual``, a norm's fp32 upcast, its scaled rows) are then a bounded fraction
+#: of one capture, never the whole ``[T, H]``
 BLOCK_FRACTION = 8
+#: a capture of at most this many bytes is formed, normed and projected whole: one GEMM and
+#: its norm's ops once, whatever T (on a GPU each op is a launch per capture per step; at
+#: decode sizes 8 blocks cost 1.12-1.31x the list build's forward time on a CPU, one GEMM
+#: 1.04-1.07x, docs/projection.md "Time"). 1 MiB: every decode batch up to 64 tokens of a
+#: bf16 target of H <= 8192 and up to 256 tokens of an fp32 one of H = 1024 is whole, its
+#: temporaries at most 3 MiB (the fp32 upcast); every memory table of the project (2048
+#: tokens, captures of 2 MiB and up) is blocked as before
+WHOLE_CAPTURE_BYTES = 1 << 20
 
 
-def row_step(rows: int) -> int:
-    """Rows per block of a capture of ``rows`` rows (``BLOCK_FRACTION``)."""
+def row_step(rows: int, width: int = 1, itemsize: int = 4) -> int:
+    """Rows per block of a capture of ``rows`` x ``width`` elements of ``itemsize`` bytes:
+    all of them up to ``WHOLE_CAPTURE_BYTES``, else ``1/BLOCK_FRACTION`` of them."""
+    if rows * width * itemsize <= WHOLE_CAPTURE_BYTES:
+        return max(1, rows)
     return max(1, -(-rows // BLOCK_FRACTION))
 
 
@@ -159,7 +170,7 @@ def project_rows_(acc: torch.Tensor, src: torch.Tensor, weight: torch.Tensor, st
     n, h, block_of = row_blocks(src, other, op)
     out = acc.view(-1, acc.shape[-1])
     block = weight.narrow(1, start, h).t()
-    step = max(1, n) if transform is None and other is None else row_step(n)
+    step = max(1, n) if transform is None and other is None else row_step(n, h, src.element_size())
     for r in range(0, n, step):
         span = slice(r, r + step)
         x = block_of(span)
@@ -224,8 +235,8 @@ def sum_squares_into_(sumsq: torch.Tensor, a: torch.Tensor, b: Optional[torch.Te
     """``sumsq (+)= sum(src**2, -1, keepdim)`` in fp32 (``sumsq``: fp32 ``[*lead, 1]``): the
     capture's share of a norm over the whole concat, taken when the capture is made (a
     later in-place write into the capture's inputs cannot reach it)."""
-    n, _, block_of = row_blocks(a, b, op)  # formed and upcast a row block at a time
-    sums, step = sumsq.view(-1, 1), row_step(n)
+    n, h, block_of = row_blocks(a, b, op)  # formed and upcast a row block at a time
+    sums, step = sumsq.view(-1, 1), row_step(n, h, a.element_size())
     for r in range(0, n, step):
         span = slice(r, r + step)
         square = torch.linalg.vector_norm(block_of(span), 2, dim=-1, keepdim=True, dtype=torch.float32).square_()

@@ -276,8 +276,9 @@ class ProjectingAccumulator:
         else:  # each block's term in the captures' dtype, summed in the accumulator's
             if self._sumsq is not None:
                 sum_squares_into_(self._sumsq, hidden, residual, op, False)
-            rows, _, block_of = row_blocks(hidden, residual, op)
-            transform, out, step = _term_transform(p, k), self._acc.view(-1, p.out_features), row_step(rows)
+            rows, width, block_of = row_blocks(hidden, residual, op)
+            transform, out = _term_transform(p, k), self._acc.view(-1, p.out_features)
+            step = row_step(rows, width, hidden.element_size())
             for r in range(0, rows, step):
                 span = slice(r, r + step)
                 x = block_of(span)

