@@ -32,6 +32,10 @@ next one runs, and ``DIR/gpu_check_summary.json`` is rewritten after every step:
    Inductor, and captured in one CUDA graph (the bytes its pool holds: list / packer /
    projected); on CPU one small row per execution), ``--projection-timeout-s``; the bench
    step leaves it that time.
+5. ``time``: ``benchmarks/projection_time.py`` (``DIR/projection_time.json``, ``TIME_ARGS``:
+   a decode step of 4, 16 and 64 tokens in a CUDA graph and a 2048-token prefill, list /
+   packer / projected, bf16 at a 70B TP=8 rank's real widths; on CPU a tiny dry run),
+   ``--time-timeout-s``; the bench step leaves it that time too.
 
 A step past its limit gets SIGINT (pytest then writes its junit XML, the benchmark its
 JSON), and SIGKILL ``--kill-grace-s`` later; each step's process group gets the signals.
@@ -59,13 +63,21 @@ import xml.etree.ElementTree as ElementTree
 from typing import Any, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("preflight", "tests", "bench", "projection")
+STEPS = ("preflight", "tests", "bench", "projection", "time")
 SUMMARY = "gpu_check_summary.json"
 #: ``benchmarks/projection_memory.py``'s arguments: bf16, K=3 and 8, the plain fc and Eagle3's
 #: norm before fc, uncompiled, under Inductor (list / packer or pass / fused / projected) and
 #: captured in a CUDA graph (the bytes its pool holds: list / packer / projected)
 PROJECTION_ARGS = ["--dtypes", "bfloat16", "--ks", "3,8", "--combines", "plain,norm_before_fc",
                    "--inners", "module,inductor,cudagraph", "--tokens", "4096", "--scale", "8", "--layers", "12"]
+#: ``benchmarks/projection_time.py``'s arguments: one Llama 3.1 70B TP=8 rank at its real widths
+#: (hidden 8192), 5 layers, bf16, K=3; decode steps of 4, 16 and 64 tokens each captured in a
+#: CUDA graph, a 2048-token prefill eagerly; list / packer / projected (both appends), the plain
+#: fc and Eagle3's norm before fc; no Inductor (its compiles would take the step's time)
+TIME_ARGS = ["--dtype", "bfloat16", "--scale", "1", "--layers", "5", "--tokens", "4,16,64,2048",
+             "--cuda-graph-tokens", "64", "--combines", "plain,norm_before_fc", "--no-inductor", "--repeats", "21"]
+DRY_RUN_TIME_ARGS = ["--scale", "64", "--layers", "2", "--tokens", "4,64", "--combines", "plain",
+                     "--no-inductor", "--repeats", "3"]
 #: and on CPU, for the dry run: one small row
 DRY_RUN_PROJECTION_ARGS = ["--dtypes", "float32", "--ks", "3", "--combines", "norm_before_fc",
                            "--inners", "module,eager,cudagraph", "--tokens", "64", "--scale", "64", "--layers", "4"]
@@ -355,7 +367,8 @@ class Check:
         return record
 
     def step_bench(self) -> Dict[str, Any]:
-        later = self.args.projection_timeout_s if "projection" in self.args.steps else 0.0
+        later = (self.args.projection_timeout_s if "projection" in self.args.steps else 0.0) + \
+            (self.args.time_timeout_s if "time" in self.args.steps else 0.0)
         limit = max(MIN_STEP_S, self.limit(self.args.bench_timeout_s) - later)
         budget = max(1.0, limit - max(10.0, 0.1 * limit))
         out = os.path.join(self.out, "gpu_capture_memory.json")
@@ -385,6 +398,19 @@ class Check:
                 record["rows"] = {"rows": len(json.load(f).get("rows", []))}
         return record
 
+    def step_time(self) -> Dict[str, Any]:
+        out = os.path.join(self.out, "projection_time.json")
+        if os.path.exists(out):
+            os.remove(out)
+        cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "projection_time.py"),
+               "--device", self.args.device, "--out", out]
+        cmd += DRY_RUN_TIME_ARGS if self.args.device == "cpu" else TIME_ARGS
+        record = self.run_step("time", cmd, self.limit(self.args.time_timeout_s), self.env(), "projection_time.log")
+        if os.path.exists(out):
+            with open(out) as f:
+                record["rows"] = {"rows": len(json.load(f).get("rows", []))}
+        return record
+
     def run(self) -> int:
         os.makedirs(self.out, exist_ok=True)
         summary_path = os.path.join(self.out, SUMMARY)
@@ -401,7 +427,8 @@ class Check:
                                               "not_run": f"stopped by signal {self.stop_signal}"})
                 continue
             timeout = {"preflight": self.args.preflight_timeout_s, "tests": self.args.tests_timeout_s,
-                       "bench": self.args.bench_timeout_s, "projection": self.args.projection_timeout_s}[name]
+                       "bench": self.args.bench_timeout_s, "projection": self.args.projection_timeout_s,
+                       "time": self.args.time_timeout_s}[name]
             if self.limit(timeout) < MIN_STEP_S:
                 self.summary["steps"].append({"name": name, "rc": None,
                                               "not_run": "no time left in --timeout-s"})
@@ -498,6 +525,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="the benchmark (also bounded by what --timeout-s leaves)")
     parser.add_argument("--projection-timeout-s", type=float, default=120.0,
                         help="the per-capture projection rows (benchmarks/projection_memory.py)")
+    parser.add_argument("--time-timeout-s", type=float, default=90.0,
+                        help="the forward times, decode and prefill (benchmarks/projection_time.py)")
     parser.add_argument("--kill-grace-s", type=float, default=20.0,
                         help="seconds from a step's SIGINT to its SIGKILL")
     parser.add_argument("--tests", nargs="+", default=["tests"], help="pytest paths or node ids")
@@ -512,7 +541,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if unknown:
         parser.error(f"unknown steps {unknown}; choose from {', '.join(STEPS)}")
     for name in ("timeout_s", "preflight_timeout_s", "tests_timeout_s", "bench_timeout_s", "projection_timeout_s",
-                 "kill_grace_s"):
+                 "time_timeout_s", "kill_grace_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name[:-2].replace('_', '-')}-s must be > 0")
     if args.test_timeout_s < 0:

@@ -21,7 +21,7 @@ import torch
 
 __all__ = ["write_slice_", "binary_into_slice_", "project_into_", "project_binary_into_", "bias_into_",
            "project_normed_into_", "project_scaled_into_", "sum_squares_into_", "rms_scale_", "rms_norm",
-           "project_rows_", "row_step", "BLOCK_FRACTION", "WHOLE_CAPTURE_BYTES",
+           "project_rows_", "sum_squares_rows_", "row_step", "BLOCK_FRACTION", "WHOLE_CAPTURE_BYTES",
            "BINARY_OPS", "MUTATED_ARG"]
 
 #: the correctly rounded binary ops ``binary_into_slice_`` computes (aten op names)
@@ -235,6 +235,13 @@ def sum_squares_into_(sumsq: torch.Tensor, a: torch.Tensor, b: Optional[torch.Te
     """``sumsq (+)= sum(src**2, -1, keepdim)`` in fp32 (``sumsq``: fp32 ``[*lead, 1]``): the
     capture's share of a norm over the whole concat, taken when the capture is made (a
     later in-place write into the capture's inputs cannot reach it)."""
+    sum_squares_rows_(sumsq, a, b, op, first)
+
+
+def sum_squares_rows_(sumsq: torch.Tensor, a: torch.Tensor, b: Optional[torch.Tensor], op: str,
+                      first: bool) -> None:
+    """``sum_squares_into_``'s arithmetic, called without the dispatcher (the eager
+    accumulator: the same kernels, none of a custom op's per-call overhead)."""
     n, h, block_of = row_blocks(a, b, op)  # formed and upcast a row block at a time
     sums, step = sumsq.view(-1, 1), row_step(n, h, a.element_size())
     for r in range(0, n, step):

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-from compile_pass.ops import project_rows_, rms_norm, row_blocks, row_step, sum_squares_into_  # the pass's ops
+from compile_pass.ops import project_rows_, rms_norm, row_blocks, row_step, sum_squares_rows_  # the pass's ops
 from compile_pass.errors import AuxCaptureError
 
 __all__ = ["RMSNormSpec", "DraftProjection", "ProjectingAccumulator", "accumulate_term_", "project_term_", "finish_", "rms_norm"]
@@ -177,7 +177,7 @@ def accumulate_term_(p: DraftProjection, acc: torch.Tensor, sumsq: Optional[torc
     if p.norm_before_fc is not None:
         if sumsq is None:
             raise AuxCaptureError("a norm over the concat needs its sum-of-squares buffer")
-        sum_squares_into_(sumsq, hidden, other, op, first)
+        sum_squares_rows_(sumsq, hidden, other, op, first)
     project_term_(p, acc, hidden, k, first, other=other, op=op)
 
 
@@ -275,7 +275,7 @@ class ProjectingAccumulator:
             accumulate_term_(p, self._acc, self._sumsq, hidden, k, first=False, other=residual, op=op)
         else:  # each block's term in the captures' dtype, summed in the accumulator's
             if self._sumsq is not None:
-                sum_squares_into_(self._sumsq, hidden, residual, op, False)
+                sum_squares_rows_(self._sumsq, hidden, residual, op, False)
             rows, width, block_of = row_blocks(hidden, residual, op)
             transform, out = _term_transform(p, k), self._acc.view(-1, p.out_features)
             step = row_step(rows, width, hidden.element_size())

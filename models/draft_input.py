@@ -10,7 +10,8 @@ draft_input [T, H_draft])``:
 - ``"list"``: the list path, the concat, then the combine (what the engines do today);
 - ``"packer"``: ``AuxHiddenStatePacker``, then the combine;
 - ``"projected"``: ``compile_pass.ProjectingAccumulator``, each capture projected as it is
-  made (its result is the draft input; nothing of ``[T, K*H]`` exists).
+  made (its result is the draft input; nothing of ``[T, K*H]`` exists);
+- ``"projected_pairs"``: the same, handed ``append(hidden, residual)`` (vLLM's plugin's call).
 
 ``combine``: ``"plain"`` (fc with bias), ``"norm_before_fc"``, ``"fc_norms"``, ``"dflash"``.
 The draft's weights are seeded apart from the target's.
@@ -33,7 +34,7 @@ __all__ = ["COMBINES", "CAPTURES", "FACTORY_NAMES", "DraftCombine", "TargetWithD
            "tiny_norm_before_fc", "tiny_fc_norms", "tp_rank"]
 
 COMBINES = ("plain", "norm_before_fc", "fc_norms", "dflash")
-CAPTURES = ("none", "list", "packer", "projected")
+CAPTURES = ("none", "list", "packer", "projected", "projected_pairs")
 
 
 class DraftCombine(nn.Module):
@@ -95,14 +96,16 @@ class TargetWithDraftInput(nn.Module):
         if capture not in CAPTURES:
             raise ValueError(f"unknown capture {capture!r}: expected one of {', '.join(CAPTURES)}")
         self.capture = capture
-        mode = {"none": "none", "list": "list", "packer": "packer", "projected": "none"}[capture]
+        mode = {"none": "none", "list": "list", "packer": "packer", "projected": "none",
+                "projected_pairs": "none"}[capture]
         self.target = EngineDecoder(cfg, mode, dtype=dtype)
         self.combine = DraftCombine(combine, len(cfg.layers_to_capture), cfg.hidden_size, draft_hidden,
                                     eps=cfg.rms_eps, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.Tensor, Any]:
-        if self.capture == "projected":
-            return self.target(input_ids, positions, aux=self.combine.accumulator())
+        if self.capture in ("projected", "projected_pairs"):
+            return self.target(input_ids, positions, aux=self.combine.accumulator(),
+                               pairs=self.capture == "projected_pairs")
         hidden, packed = self.target(input_ids, positions)
         return hidden, (self.combine(packed) if packed is not None else None)
 

@@ -368,10 +368,11 @@ class EngineDecoder(nn.Module):
         return len(self.capture_layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                aux_out: Optional[torch.Tensor] = None, aux: Any = None):
+                aux_out: Optional[torch.Tensor] = None, aux: Any = None, pairs: bool = False):
         """``aux``: a collector to capture into instead of the capture mode's (anything with
         ``append`` / ``capture`` / ``finalize``, e.g. a ``ProjectingAccumulator``); the
-        forward then returns its ``finalize()``."""
+        forward then returns its ``finalize()``. ``pairs``: hand it ``append(hidden,
+        residual)`` (as vLLM's ``_maybe_add_hidden_state`` does) instead of the formed sum."""
         cfg = self.config
         collector_given = aux is not None
         if not collector_given:
@@ -384,6 +385,8 @@ class EngineDecoder(nn.Module):
             if aux is not None and i in self.capture_layers:
                 if residual is None:
                     aux.capture(hidden)  # the embedding becomes the residual, mutated later
+                elif pairs:
+                    aux.append(hidden, residual)
                 else:
                     aux.append(hidden + residual)
             hidden, residual = layer(positions, hidden, residual, self.cos_sin)

@@ -140,7 +140,7 @@ def test_dry_run_from_a_clean_copy(clean_copy, tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
     summary = _load(out / "gpu_check_summary.json")
     assert summary["rc"] == 0 and [s["name"] for s in summary["steps"]] == ["preflight", "tests", "bench",
-                                                                             "projection"]
+                                                                             "projection", "time"]
     assert all(s["rc"] == 0 and not s["timed_out"] for s in summary["steps"]), summary
 
     preflight = _load(out / "preflight.json")
@@ -177,6 +177,11 @@ def test_dry_run_from_a_clean_copy(clean_copy, tmp_path):
         assert r["device"] == "cpu" and r["overhead_projected"] < r["overhead_list"]
         assert all(r[k] for k in r if k.startswith("model_equal"))
     assert projection[1]["overhead_fused"] < projection[1]["overhead_list"]
+
+    timed = _load(out / "projection_time.json")["rows"]  # the dry run: eager rows, 4 and 64 tokens
+    assert {(r["row"], r["tokens"]) for r in timed} == {(n, t) for n in ("list", "packer", "proj1", "proj2")
+                                                        for t in (4, 64)} and _step(summary, "time")["rows"]
+    assert all(r["ms"] > 0 and not r["cuda_graph"] for r in timed)
 
 
 def test_gpu_check_does_not_need_the_backend_name():
@@ -290,7 +295,7 @@ def test_preflight_without_cuda_fails_loudly(tmp_path):
     assert not preflight["usable"] and "torch.cuda.is_available() is False" in preflight["problems"][0]
     summary = _load(out / "gpu_check_summary.json")
     assert summary["rc"] == 2
-    assert [s.get("not_run") for s in summary["steps"][1:]] == ["the preflight failed (preflight.json)"] * 3  # tests, bench, projection
+    assert [s.get("not_run") for s in summary["steps"][1:]] == ["the preflight failed (preflight.json)"] * 4  # tests, bench, projection, time
     assert not (out / "gpu_tests.xml").exists()
 
 
