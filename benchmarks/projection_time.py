@@ -118,8 +118,8 @@ def time_rows(rows: Dict[str, Callable], inputs, repeats: int) -> Dict[str, floa
     cuda = inputs[0].device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for fn in rows.values():  # warm-up (and, for compiled rows, the first call's compile)
-        fn(*inputs)
-        fn(*inputs)
+        for _ in range(5):
+            fn(*inputs)
     samples: Dict[str, List[float]] = {name: [] for name in rows}
     for _ in range(repeats):
         for name, fn in rows.items():
