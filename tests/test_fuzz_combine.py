@@ -75,3 +75,20 @@ def test_fused_k2_toy_widths_stay_below_the_list_path_under_inductor(seed):
     r = run_case(random_spec(seed), "inductor")
     assert r.fused and not r.crashed and not r.wrong, (r.reason, r.crashed, r.wrong)
     assert not r.above_list
+
+
+def test_a_pass_error_is_a_crash_never_a_refusal(monkeypatch):
+    """The pass catches its own errors and the graph compiles without it (never a broken
+    compile), so its result alone tells: a case where it failed is counted as crashed, with the
+    error, never as a refusal."""
+    import compile_pass.capture_pass as capture_pass
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure in the rewrite")
+
+    monkeypatch.setattr(capture_pass, "fuse_into_accumulator", broken)
+    spec = next(s for s in map(random_spec, range(400)) if s.hazard is None and s.draft < s.hidden * s.k)
+    r = run_case(spec, "eager")
+    assert "injected failure in the rewrite" in r.crashed and not r.fused, (spec.describe(), r.crashed, r.reason)
+    text, clean = summarize([r], "eager")
+    assert not clean and "crashed=1" in text
