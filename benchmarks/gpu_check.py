@@ -385,27 +385,23 @@ class Check:
         return record
 
     def step_projection(self) -> Dict[str, Any]:
-        out = os.path.join(self.out, "projection_memory.json")
-        if os.path.exists(out):
-            os.remove(out)
-        cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "projection_memory.py"),
-               "--device", self.args.device, "--out", out]
-        cmd += DRY_RUN_PROJECTION_ARGS if self.args.device == "cpu" else PROJECTION_ARGS
-        record = self.run_step("projection", cmd, self.limit(self.args.projection_timeout_s), self.env(),
-                               "projection_memory.log")
-        if os.path.exists(out):
-            with open(out) as f:
-                record["rows"] = {"rows": len(json.load(f).get("rows", []))}
-        return record
+        return self._benchmark_step("projection", "projection_memory", PROJECTION_ARGS, DRY_RUN_PROJECTION_ARGS,
+                                    self.args.projection_timeout_s)
 
     def step_time(self) -> Dict[str, Any]:
-        out = os.path.join(self.out, "projection_time.json")
+        return self._benchmark_step("time", "projection_time", TIME_ARGS, DRY_RUN_TIME_ARGS, self.args.time_timeout_s)
+
+    def _benchmark_step(self, name: str, script: str, args: List[str], dry_run_args: List[str],
+                        timeout_s: float) -> Dict[str, Any]:
+        """``benchmarks/<script>.py --device D --out DIR/<script>.json`` with ``args`` (on CPU
+        ``dry_run_args``); its output in ``DIR/<script>.log``, its row count recorded."""
+        out = os.path.join(self.out, f"{script}.json")
         if os.path.exists(out):
             os.remove(out)
-        cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "projection_time.py"),
-               "--device", self.args.device, "--out", out]
-        cmd += DRY_RUN_TIME_ARGS if self.args.device == "cpu" else TIME_ARGS
-        record = self.run_step("time", cmd, self.limit(self.args.time_timeout_s), self.env(), "projection_time.log")
+        cmd = [sys.executable, os.path.join(ROOT, "benchmarks", f"{script}.py"), "--device", self.args.device,
+               "--out", out]
+        cmd += dry_run_args if self.args.device == "cpu" else args
+        record = self.run_step(name, cmd, self.limit(timeout_s), self.env(), f"{script}.log")
         if os.path.exists(out):
             with open(out) as f:
                 record["rows"] = {"rows": len(json.load(f).get("rows", []))}

@@ -59,11 +59,8 @@ class GraphPeak:
         self.bytes, self.result = nbytes, result
 
 
-def graph_peak(fn, inputs) -> GraphPeak:
-    """``fn(*inputs)`` captured in a CUDA graph (after two warm-up runs on a side stream) and
-    replayed once. Off CUDA (the dry run) the same forward measured by the profiler."""
-    if inputs[0].device.type != "cuda":
-        return measure_peak(fn, *inputs)
+def warm_up_for_capture(fn, inputs) -> None:
+    """Two runs of ``fn(*inputs)`` on a side stream, as a CUDA graph's capture wants first."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -71,6 +68,14 @@ def graph_peak(fn, inputs) -> GraphPeak:
             fn(*inputs)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+
+
+def graph_peak(fn, inputs) -> GraphPeak:
+    """``fn(*inputs)`` captured in a CUDA graph (after two warm-up runs on a side stream) and
+    replayed once. Off CUDA (the dry run) the same forward measured by the profiler."""
+    if inputs[0].device.type != "cuda":
+        return measure_peak(fn, *inputs)
+    warm_up_for_capture(fn, inputs)
     graph = torch.cuda.CUDAGraph()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from compile_pass.backend import aux_capture_backend  # noqa: E402
+from benchmarks.projection_memory import warm_up_for_capture  # noqa: E402
 from models import engine  # noqa: E402
 from models.draft_input import COMBINES, TargetWithDraftInput  # noqa: E402
 
@@ -100,12 +101,7 @@ def op_counts(fn: Callable, inputs) -> Counter:
 def in_cuda_graph(fn: Callable, inputs) -> Callable:
     """``fn(*inputs)`` captured in one CUDA graph (after warm-up on a side stream); the
     returned callable replays it (a decode step as CUDA-graph runners run it)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn(*inputs)
-    torch.cuda.current_stream().wait_stream(stream)
+    warm_up_for_capture(fn, inputs)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn(*inputs)

@@ -45,13 +45,7 @@ class TargetAndDraftInput(nn.Module):
         return ProjectingAccumulator(len(CAPTURE), self.fc.weight, fc_bias=self.fc.bias, eps=1e-6, **norms)
 
     def forward(self, x):
-        hidden, residual = x, torch.zeros_like(x)
-        aux = []
-        for i, layer in enumerate(self.layers):
-            if i in CAPTURE:
-                aux.append(hidden + residual)
-            residual = hidden + residual
-            hidden = torch.tanh(layer(residual))
+        hidden, aux = _capture_loop(self.layers, x)
         packed = torch.cat(aux, dim=-1)
         if self.combine == "norm_before_fc":
             packed = rms_norm(packed, self.norm, 1e-6)
@@ -65,6 +59,17 @@ class TargetAndDraftInput(nn.Module):
         if self.extra_reader:
             return hidden, draft_input, packed.sum()
         return hidden, draft_input
+
+
+def _capture_loop(layers, x):
+    """The decoder: ``hidden + residual`` captured at ``CAPTURE``; (hidden, captures)."""
+    hidden, residual, aux = x, torch.zeros_like(x), []
+    for i, layer in enumerate(layers):
+        if i in CAPTURE:
+            aux.append(hidden + residual)
+        residual = hidden + residual
+        hidden = torch.tanh(layer(residual))
+    return hidden, aux
 
 
 def _compile(model, inner, fuse, **kw):
@@ -346,12 +351,7 @@ class _PromotedBias(nn.Module):
         self.bias = nn.Parameter(torch.randn(HD) * 100)  # fp32, large: its fp32 sum is not a bf16 value
 
     def forward(self, x):
-        hidden, residual, aux = x, torch.zeros_like(x), []
-        for i, layer in enumerate(self.layers):
-            if i in CAPTURE:
-                aux.append(hidden + residual)
-            residual = hidden + residual
-            hidden = torch.tanh(layer(residual))
+        hidden, aux = _capture_loop(self.layers, x)
         return hidden, torch.cat(aux, dim=-1) @ self.weight.t() + self.bias
 
 
