@@ -68,7 +68,9 @@ def projection_rows(tokens: int) -> list:
             model, inputs = tiny(tokens, combine=combine, capture=capture)
             if compiled:
                 torch._dynamo.reset()
-                model = torch.compile(model, dynamic=True, backend=aux_capture_backend(
+                # a static compile: over a symbolic token count stock Inductor fails on this
+                # engine-shaped rank, with or without the pass (docs/projection.md, "Time")
+                model = torch.compile(model, dynamic=False, backend=aux_capture_backend(
                     "inductor", **({"rewrite": False} if compiled == "off" else {"fuse_projection": True})))
             forward = (lambda model=model, inputs=inputs: model(*inputs))
             forward()
