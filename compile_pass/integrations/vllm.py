@@ -213,16 +213,20 @@ def _project_capture(model: Any, aux_hidden_states: list, k: int, hidden_states:
                      residual: Any) -> Optional[list]:
     """``COMPILE_PASS_VLLM_PROJECT``: the capture projected into the registered draft's
     accumulator; the list holds ``[T, 0]`` stand-ins, and the finished projection in its
-    first place after the K-th capture. None: vLLM's own list, or a target that does not
-    fit the draft (named in one warning per model; its captures are packed)."""
+    first place after the K-th capture. None: vLLM's own list, or no draft of this model's
+    engine that fits (its captures packed; each reason named in one warning per model).
+    Decided at each forward's first capture: a draft registered later is projected into
+    from the next forward on."""
     state = model.__dict__.get("_compile_pass_projected")
     if state is None or state[0] is not aux_hidden_states:
-        if aux_hidden_states or model.__dict__.get("_compile_pass_not_projected"):
+        if aux_hidden_states:
             return None
         acc, why = vllm_projection.accumulator_for(k, hidden_states, model)
         if acc is None:
-            model.__dict__["_compile_pass_not_projected"] = why
-            logger.warning("compile_pass vLLM plugin: %s: the captures are packed", why)
+            warned = model.__dict__.setdefault("_compile_pass_not_projected", set())
+            if why not in warned:
+                warned.add(why)
+                logger.warning("compile_pass vLLM plugin: %s: the captures are packed", why)
             return None
         state = (aux_hidden_states, acc)
         model.__dict__["_compile_pass_projected"] = state
