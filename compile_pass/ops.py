@@ -134,7 +134,7 @@ BLOCK_FRACTION = 8
 WHOLE_CAPTURE_BYTES = 1 << 20
 
 
-def row_step(rows: int, width: int = 1, itemsize: int = 4) -> int:
+def row_step(rows: int, width: int, itemsize: int) -> int:
     """Rows per block of a capture of ``rows`` x ``width`` elements of ``itemsize`` bytes:
     all of them up to ``WHOLE_CAPTURE_BYTES``, else ``1/BLOCK_FRACTION`` of them."""
     if rows * width * itemsize <= WHOLE_CAPTURE_BYTES:

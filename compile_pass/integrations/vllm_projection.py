@@ -186,7 +186,7 @@ def _fc_norms(inner: Any) -> Optional[List[Any]]:
 
 def register_draft(draft: Any, vllm_config: Any = None) -> Optional[str]:
     """Take ``draft``'s input projection for its engine (``engine_key(vllm_config)``: the
-    config it is built with, default the current one); its registry name if taken, else
+    config it is built with, default ``target_config()``); its registry name if taken, else
     None. One that does not fit is named in a warning, its engine's captures stay packed."""
     key = engine_key(vllm_config)
     resolve, why = projection_of(draft)
